@@ -1,0 +1,237 @@
+"""The job configuration: one dataclass per TOML section.
+
+Every field carries a one-line doc (``doc=``) that doubles as its ``--help`` text.
+Field names follow what users of TorchTitan-style trainers already type.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def option(default: Any, doc: str) -> Any:
+    """A config field with a default and the one-line doc shown by --help."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def section(cls: type, doc: str) -> Any:
+    """A nested config section (a dataclass) with its doc."""
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class Job:
+    config_file: str | None = option(None, "TOML file to read; CLI flags override it")
+    dump_folder: str = option("./outputs", "Folder for metrics, the resolved config, traces and checkpoints")
+    description: str = option("", "Free-text description of the run")
+    print_config: bool = option(False, "Print the resolved config at start")
+    save_config_file: str = option("config.toml", "File name (in dump_folder) the resolved config is saved to")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = option(False, "Record torch.profiler traces")
+    save_traces_folder: str = option("profile_traces", "Trace folder, relative to dump_folder")
+    profile_freq: int = option(10, "Record a trace every this many steps")
+    enable_memory_snapshot: bool = option(False, "Record memory snapshots where the device supports them")
+    save_memory_snapshot_folder: str = option("memory_snapshot", "Snapshot folder, relative to dump_folder")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = option(10, "Log metrics every this many steps (step 1 and the last step are always logged)")
+    enable_tensorboard: bool = option(False, "Write TensorBoard event files")
+    save_tb_folder: str = option("tb", "TensorBoard folder, relative to dump_folder")
+    enable_wandb: bool = option(False, "Log to Weights & Biases")
+    disable_color_printing: bool = option(False, "Print the console metrics line without colors")
+    save_for_all_ranks: bool = option(False, "Write metrics from every rank, not only rank 0")
+    peak_tflops: float | None = option(None, "Peak TFLOP/s of one device for MFU; overrides the built-in table")
+
+
+@dataclass
+class Model:
+    name: str = option("llama3", "Registered model (TrainSpec) name")
+    flavor: str = option("debugmodel", "Model size/variant within the family")
+    hf_assets_path: str = option("assets/tokenizer", "Folder holding the tokenizer (and HF config/weights)")
+    converters: list[str] = option([], "Model converters applied in order, e.g. float8")
+    print_after_conversion: bool = option(False, "Print the model after converters ran")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = option("AdamW", "Optimizer")
+    lr: float = option(8e-4, "Peak learning rate")
+    beta1: float = option(0.9, "Adam beta1")
+    beta2: float = option(0.95, "Adam beta2")
+    eps: float = option(1e-8, "Adam epsilon")
+    weight_decay: float = option(0.1, "Weight decay (decoupled for AdamW)")
+    implementation: Literal["fused", "foreach", "for-loop"] = option("fused", "Optimizer kernel implementation")
+    early_step_in_backward: bool = option(False, "Step each parameter as soon as its gradient is ready")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = option(200, "Steps of linear warmup from lr/warmup_steps to lr")
+    decay_ratio: float | None = option(
+        None, "Fraction of the post-warmup steps spent decaying (None: decay right after warmup)"
+    )
+    decay_type: Literal["linear", "sqrt", "cosine"] = option("linear", "Shape of the decay")
+    min_lr_factor: float = option(0.0, "Final lr as a fraction of the peak lr")
+
+
+@dataclass
+class DataLoader:
+    num_workers: int = option(0, "Dataloader worker processes (0 = load in the training process)")
+    persistent_workers: bool = option(False, "Keep workers alive between epochs")
+    pin_memory: bool = option(False, "Pin host memory for faster host-to-device copies")
+    prefetch_factor: int | None = option(None, "Batches each worker loads ahead")
+
+
+@dataclass
+class Training:
+    dataset: str = option("pydocs", "Registered dataset name")
+    dataset_path: str | None = option(None, "Local dataset file or folder")
+    local_batch_size: int = option(8, "Sequences per micro-batch on each data-parallel rank")
+    global_batch_size: int = option(
+        -1, "Sequences per optimizer step over all ranks (-1 = local x dp, no accumulation)"
+    )
+    seq_len: int = option(2048, "Tokens per sequence")
+    max_norm: float = option(1.0, "Clip the global gradient norm to this value (<= 0 disables)")
+    steps: int = option(10000, "Optimizer steps to train")
+    enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")
+    dtype: Literal["float32", "bfloat16"] = option("float32", "Dtype the parameters are stored in")
+    mixed_precision_param: Literal["bfloat16", "float16", "float32"] = option(
+        "bfloat16", "Dtype the forward/backward computes in"
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = option("float32", "Dtype gradients are reduced in")
+    gc_freq: int = option(50, "Run Python garbage collection every this many steps")
+    dataloader: DataLoader = section(DataLoader, "Data loader settings")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = option(1, "Replicas (DDP, or HSDP with sharding)")
+    data_parallel_shard_degree: int = option(-1, "FSDP shards (-1 = the ranks left over)")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = option(
+        "default", "Free gathered parameters after forward"
+    )
+    tensor_parallel_degree: int = option(1, "Tensor-parallel degree")
+    disable_loss_parallel: bool = option(False, "Gather logits before the loss under TP")
+    enable_async_tensor_parallel: bool = option(False, "Overlap TP communication (needs compile on CUDA)")
+    pipeline_parallel_degree: int = option(1, "Pipeline stages")
+    pipeline_parallel_schedule: str = option("1F1B", "Pipeline schedule name")
+    pipeline_parallel_schedule_csv: str | None = option(None, "CSV file with a custom pipeline schedule")
+    pipeline_parallel_microbatch_size: int = option(1, "Sequences per pipeline micro-batch")
+    pipeline_parallel_layers_per_stage: int | None = option(None, "Transformer blocks per pipeline stage")
+    module_fqns_per_model_part: list[str] | None = option(None, "Explicit module names per pipeline stage")
+    pipeline_parallel_first_stage_less_layers: int = option(1, "Layers the first stage gives up (embedding)")
+    pipeline_parallel_last_stage_less_layers: int = option(1, "Layers the last stage gives up (output)")
+    context_parallel_degree: int = option(1, "Context-parallel degree (sequence sharding)")
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = option(
+        "allgather", "How K/V move between context-parallel ranks"
+    )
+    expert_parallel_degree: int = option(1, "Expert-parallel degree")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = option(False, "Save and load checkpoints")
+    folder: str = option("checkpoint", "Checkpoint folder, relative to dump_folder")
+    interval: int = option(500, "Save every this many steps")
+    initial_load_path: str | None = option(None, "Checkpoint to start from when the run has none")
+    initial_load_model_only: bool = option(True, "Load only model weights from initial_load_path")
+    initial_load_in_hf: bool = option(False, "initial_load_path holds HF safetensors")
+    last_save_model_only: bool = option(True, "Export model weights only at the last step")
+    last_save_in_hf: bool = option(False, "Export the last step in HF safetensors format")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "Dtype of model-only exports")
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = option(
+        "disabled", "Write checkpoints in the background"
+    )
+    keep_latest_k: int = option(10, "Keep this many latest checkpoints (0 = all)")
+    load_step: int = option(-1, "Step to load (-1 = latest)")
+    exclude_from_loading: list[str] = option([], "State keys not to load, e.g. optimizer,dataloader")
+    enable_first_step_checkpoint: bool = option(False, "Save right after step 1")
+    create_seed_checkpoint: bool = option(False, "Write the initial weights and exit")
+    load_only: bool = option(False, "Load checkpoints but never save")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["selective", "full", "none"] = option("selective", "Activation checkpointing mode")
+    selective_ac_option: str = option("2", "Checkpoint every N-th block (an integer) or 'op' for per-operator")
+    preserve_rng_state: bool = option(False, "Replay the RNG state during recomputation")
+
+
+@dataclass
+class Compile:
+    enable: bool = option(False, "Compile with torch.compile")
+    components: list[Literal["model", "loss"]] = option(["model", "loss"], "What to compile")
+    backend: str = option("inductor", "torch.compile backend")
+
+
+@dataclass
+class Float8:
+    enable_fsdp_float8_all_gather: bool = option(False, "All-gather FSDP parameters in float8")
+    precompute_float8_dynamic_scale_for_fsdp: bool = option(False, "Compute float8 scales once per step")
+    recipe_name: Literal["tensorwise", "rowwise"] | None = option(None, "float8 scaling recipe")
+    filter_fqns: list[str] = option(["output"], "Linear layers (by name) left in high precision")
+    emulate: bool = option(False, "Emulate float8 on devices without float8 kernels")
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8 = section(Float8, "float8 training of Linear layers")
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = section(QuantizeLinear, "Linear-layer quantization")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = option(300, "Timeout for the first collective (process group start)")
+    train_timeout_seconds: int = option(100, "Timeout for collectives after the first step")
+
+
+@dataclass
+class Validation:
+    enable: bool = option(False, "Run validation during training")
+    dataset: str = option("pydocs", "Registered dataset used for validation (its validation split)")
+    dataset_path: str | None = option(None, "Local validation dataset file or folder")
+    local_batch_size: int = option(8, "Validation sequences per rank per step")
+    seq_len: int = option(2048, "Validation sequence length")
+    freq: int = option(10, "Validate every this many training steps")
+    steps: int = option(-1, "Validation steps (-1 = the whole split)")
+
+
+@dataclass
+class Debug:
+    seed: int = option(0, "Seed for weight initialisation and everything random")
+    deterministic: bool = option(False, "Use deterministic algorithms (slower)")
+
+
+@dataclass
+class Experimental:
+    custom_import: str = option("", "Module imported at start, e.g. to register a custom model")
+
+
+@dataclass
+class JobConfig:
+    job: Job = section(Job, "The run")
+    profiling: Profiling = section(Profiling, "torch.profiler traces and memory snapshots")
+    metrics: Metrics = section(Metrics, "Metrics logging")
+    model: Model = section(Model, "Model family, size and tokenizer")
+    optimizer: Optimizer = section(Optimizer, "Optimizer")
+    lr_scheduler: LRScheduler = section(LRScheduler, "Learning-rate schedule")
+    training: Training = section(Training, "Data, batch and precision")
+    parallelism: Parallelism = section(Parallelism, "Parallel layout")
+    checkpoint: Checkpoint = section(Checkpoint, "Checkpointing")
+    activation_checkpoint: ActivationCheckpoint = section(ActivationCheckpoint, "Activation checkpointing")
+    compile: Compile = section(Compile, "torch.compile")
+    quantize: Quantize = section(Quantize, "Quantized training")
+    comm: Comm = section(Comm, "Collective communication")
+    validation: Validation = section(Validation, "Validation")
+    debug: Debug = section(Debug, "Reproducibility")
+    experimental: Experimental = section(Experimental, "Experimental extensions")

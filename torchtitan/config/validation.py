@@ -1,0 +1,176 @@
+"""Check a loaded JobConfig before anything is built; every failure is a one-line ConfigError."""
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.loading import ConfigError, ConfigSources
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class _Checker:
+    def __init__(self, cfg: JobConfig, sources: ConfigSources):
+        self.cfg, self.sources = cfg, sources
+
+    def value(self, key: str) -> Any:
+        obj = self.cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def fail(self, key: str, reason: str) -> None:
+        raise ConfigError(f"{self.sources.describe(key)}: {key} = {self.value(key)!r} {reason}")
+
+    def require(self, key: str, ok: bool, reason: str) -> None:
+        if not ok:
+            self.fail(key, reason)
+
+    def positive(self, *keys: str) -> None:
+        for key in keys:
+            self.require(key, self.value(key) > 0, "is invalid; it must be > 0")
+
+    def not_yet(self, key: str, enabled: bool, issue: str) -> None:
+        # Better a clear refusal than a flag that silently does nothing.
+        self.require(key, not enabled, f"is not supported yet ({issue}); leave it at its default")
+
+
+def import_custom_modules(cfg: JobConfig, sources: ConfigSources) -> None:
+    """Import experimental.custom_import (comma-separated modules) so they can register models."""
+    for module in filter(None, (m.strip() for m in cfg.experimental.custom_import.split(","))):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # any failure in user code must become the one-line error
+            raise ConfigError(
+                f"{sources.describe('experimental.custom_import')}: experimental.custom_import = {module!r} "
+                f"failed to import: {type(e).__name__}: {e}"
+            ) from None
+
+
+def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> None:
+    c = _Checker(cfg, sources)
+    _check_training(c)
+    _check_optimizer(c)
+    _check_parallelism(c, world_size)
+    _check_model(c)
+    _check_data(c)
+    _check_unsupported(c)
+
+
+def _check_training(c: _Checker) -> None:
+    t = c.cfg.training
+    c.positive("training.steps", "training.seq_len", "training.local_batch_size", "training.gc_freq",
+               "metrics.log_freq")
+    # Every worker would tokenize the whole global stream, so more than one only adds cost.
+    c.require("training.dataloader.num_workers", t.dataloader.num_workers in (0, 1),
+              "is invalid; it must be 0 (load in the training process) or 1 (one background worker)")
+    c.require("training.global_batch_size", t.global_batch_size == -1 or t.global_batch_size > 0,
+              "is invalid; it must be -1 (local x data-parallel degree) or > 0")
+    peak = c.cfg.metrics.peak_tflops
+    c.require("metrics.peak_tflops", peak is None or peak > 0, "is invalid; it must be > 0 or unset")
+
+
+def _check_optimizer(c: _Checker) -> None:
+    o, s = c.cfg.optimizer, c.cfg.lr_scheduler
+    c.require("optimizer.lr", o.lr >= 0, "is invalid; it must be >= 0")
+    for key, beta in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+        c.require(key, 0 <= beta < 1, "is invalid; it must be in [0, 1)")
+    c.require("optimizer.eps", o.eps > 0, "is invalid; it must be > 0")
+    c.require("optimizer.weight_decay", o.weight_decay >= 0, "is invalid; it must be >= 0")
+    c.require("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "is invalid; it must be >= 0")
+    c.require("lr_scheduler.decay_ratio", s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+              "is invalid; it must be in [0, 1] or unset")
+    c.require("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "is invalid; it must be in [0, 1]")
+
+
+def _check_parallelism(c: _Checker, world_size: int) -> None:
+    p = c.cfg.parallelism
+    degrees = {
+        "parallelism.data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "parallelism.context_parallel_degree": p.context_parallel_degree,
+        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
+    }
+    for key, degree in degrees.items():
+        c.require(key, degree >= 1, "is invalid; it must be >= 1")
+    shard = p.data_parallel_shard_degree
+    c.require("parallelism.data_parallel_shard_degree", shard == -1 or shard >= 1,
+              "is invalid; it must be -1 (the remaining ranks) or >= 1")
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    others *= p.context_parallel_degree
+    if shard == -1:
+        c.require("parallelism.data_parallel_shard_degree", world_size % others == 0,
+                  f"cannot fill the world size {world_size}: the other degrees multiply to {others}, "
+                  f"which does not divide it")
+        shard = world_size // others
+    c.require("parallelism.data_parallel_shard_degree", others * shard == world_size,
+              f"is invalid: replicate x shard x tp x pp x cp = {others * shard}, but the world size is "
+              f"{world_size}; the degrees must multiply to the world size")
+    t = c.cfg.training
+    if t.global_batch_size != -1:
+        per_step = t.local_batch_size * p.data_parallel_replicate_degree * shard
+        c.require("training.global_batch_size", t.global_batch_size % per_step == 0,
+                  f"is not divisible by local_batch_size x data-parallel degree = {per_step}")
+
+
+def _check_model(c: _Checker) -> None:
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    m = c.cfg.model
+    try:
+        spec = get_train_spec(m.name)
+    except KeyError as e:
+        c.fail("model.name", f"is unknown: {e.args[0]}")
+    c.require("model.flavor", m.flavor in spec.flavors,
+              f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")
+    for field, reason in spec.flavors[m.flavor].check():
+        c.fail("model.flavor", f"has an invalid {field}: {reason}")
+    folder = Path(m.hf_assets_path)
+    c.require("model.hf_assets_path", folder.is_dir(), "does not exist; it must be a folder holding a tokenizer")
+    c.require("model.hf_assets_path", any((folder / f).is_file() for f in TOKENIZER_FILES),
+              f"holds no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} in it")
+    try:
+        tokenizer_vocab = spec.build_tokenizer_fn(m.hf_assets_path).vocab_size
+    except Exception as e:  # a corrupt tokenizer file must still give the one-line error
+        c.fail("model.hf_assets_path", f"holds a tokenizer that cannot be loaded: {type(e).__name__}: {e}")
+    args = spec.flavors[m.flavor].finalize(tokenizer_vocab, c.cfg.training.seq_len)
+    model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
+    c.require("model.flavor", model_vocab >= tokenizer_vocab,
+              f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
+
+
+def _check_data(c: _Checker) -> None:
+    from torchtitan.data.dataset import registered_datasets
+
+    t = c.cfg.training
+    if t.dataset_path is not None:
+        c.require("training.dataset_path", Path(t.dataset_path).exists(), "does not exist")
+    else:
+        c.require("training.dataset", t.dataset in registered_datasets(),
+                  f"is not a registered dataset; valid: {', '.join(registered_datasets())} "
+                  f"(or set training.dataset_path)")
+
+
+def _check_unsupported(c: _Checker) -> None:
+    cfg = c.cfg
+    p = cfg.parallelism
+    c.not_yet("parallelism.tensor_parallel_degree", p.tensor_parallel_degree > 1, "tensor parallelism")
+    c.not_yet("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree > 1, "pipeline parallelism")
+    c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
+    c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
+    c.not_yet("checkpoint.enable", cfg.checkpoint.enable, "checkpointing")
+    c.not_yet("validation.enable", cfg.validation.enable, "validation")
+    c.not_yet("profiling.enable_profiling", cfg.profiling.enable_profiling, "profiling")
+    c.not_yet("profiling.enable_memory_snapshot", cfg.profiling.enable_memory_snapshot, "memory snapshots")
+    c.not_yet("metrics.enable_tensorboard", cfg.metrics.enable_tensorboard, "TensorBoard")
+    c.not_yet("metrics.enable_wandb", cfg.metrics.enable_wandb, "Weights & Biases")
+    c.not_yet("model.converters", bool(cfg.model.converters), "model converters")
+    c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
+    ac = cfg.activation_checkpoint
+    if ac.mode == "selective":
+        option = ac.selective_ac_option
+        c.not_yet("activation_checkpoint.selective_ac_option", option == "op", "per-operator selective AC")
+        c.require("activation_checkpoint.selective_ac_option", option.isdigit() and int(option) >= 1,
+                  "is invalid; it must be a positive integer (checkpoint every N-th block) or 'op'")

@@ -1,0 +1,55 @@
+"""FSDP2 / HSDP and DDP for models built of a stack of blocks under ``model.layers``."""
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str,
+    pp_enabled: bool = False,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard the embeddings, each block, and norm+output together, then the root.
+
+    ``mesh`` is 1-D for FSDP or 2-D (replicate, shard) for HSDP.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+    kwargs = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    # With PP each micro-batch re-runs forward, so resharding would re-gather the weights every time.
+    reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
+
+    if getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    final = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if final:
+        # The last unit is needed again right away in backward, so keep it gathered.
+        fully_shard(final, reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    # The loss is already divided by the global token count, so ranks' gradients must be summed, not
+    # averaged. Forcing a plain sum also avoids ReduceOp.PREMUL_SUM, which gloo does not have.
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Replicate the model over ``mesh``; gradients are summed for the same reason as in FSDP."""
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    world = mesh.size()
+    for p in model.parameters():
+        # DDP averages; scale back so the result is the sum of the ranks' gradients.
+        p.register_hook(lambda g: g * world)
+    return model

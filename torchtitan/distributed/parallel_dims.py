@@ -1,0 +1,103 @@
+"""ParallelDims: the parallel degrees of a run and the device meshes built from them."""
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Outermost to innermost: pipeline stages span the slowest links, tensor parallel the fastest.
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees already checked by config validation; dp_shard is resolved (never -1)."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """Resolve data_parallel_shard_degree = -1 to the ranks the other degrees leave over."""
+        others = (
+            parallelism.data_parallel_replicate_degree
+            * parallelism.context_parallel_degree
+            * parallelism.tensor_parallel_degree
+            * parallelism.pipeline_parallel_degree
+        )
+        dp_shard = parallelism.data_parallel_shard_degree
+        if dp_shard == -1:
+            dp_shard = max(world_size // others, 1)
+        dims = cls(
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            dp_shard=dp_shard,
+            cp=parallelism.context_parallel_degree,
+            tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
+            world_size=world_size,
+        )
+        assert others * dp_shard == world_size, f"unvalidated parallel degrees {dims}"
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The world mesh, with flattened views 'dp' (data loading), 'dp_shard_cp' (FSDP), 'dp_cp' (loss)."""
+        if self.world_size == 1:
+            return None
+        sizes = dict(zip(MESH_DIM_ORDER, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        names = [n for n in MESH_DIM_ORDER if sizes[n] > 1]
+        mesh = init_device_mesh(device_type, [sizes[n] for n in names], mesh_dim_names=tuple(names))
+        for flat, parts in (
+            ("dp", ("dp_replicate", "dp_shard")),
+            ("dp_shard_cp", ("dp_shard", "cp")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+        ):
+            present = tuple(p for p in parts if p in names)
+            if len(present) > 1:
+                mesh[present]._flatten(flat)
+            elif len(present) == 1 and present[0] != flat:
+                mesh[present]._flatten(flat)
+        self._mesh = mesh
+        return mesh
+
+    def submesh(self, name: str | tuple[str, ...]) -> DeviceMesh | None:
+        """A named (possibly flattened) sub-mesh, or None when that dimension has size 1."""
+        if self._mesh is None:
+            return None
+        try:
+            return self._mesh[name]
+        except (KeyError, ValueError, RuntimeError):
+            return None
+
+    def dp_coordinates(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, data-parallel degree) for sharding the data."""
+        mesh = self.submesh("dp")
+        return (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)

@@ -1,0 +1,16 @@
+"""The project's logger: one line per message, rank 0 only unless asked otherwise."""
+
+import logging
+import sys
+
+logger = logging.getLogger("torchtitan")
+
+
+def init_logger(rank: int = 0, all_ranks: bool = False) -> None:
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    prefix = f"[rank{rank}] " if all_ranks else ""
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
+    logger.propagate = False

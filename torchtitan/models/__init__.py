@@ -1,0 +1,3 @@
+"""Built-in model families; importing this package registers them."""
+
+from torchtitan.models import llama3  # noqa: F401

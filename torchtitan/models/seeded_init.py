@@ -1,0 +1,47 @@
+"""Weight initialisation that gives the same weights under every parallel layout.
+
+Each parameter is drawn in full, on the CPU, from a generator seeded by (seed, parameter name),
+then the slice this rank holds is copied in. The values therefore depend on neither the mesh, nor
+the order modules are visited in, nor the device.
+"""
+
+import zlib
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+FillFn = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def generator_for(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+@torch.no_grad()
+def init_param_(param: torch.Tensor, name: str, seed: int, fill: FillFn) -> None:
+    """Fill ``param`` (a plain tensor or a DTensor shard) with ``fill`` applied to its full shape."""
+    full = torch.empty(param.shape, dtype=torch.float32)
+    fill(full, generator_for(seed, name))
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so slice locally, no comms.
+        full = distribute_tensor(
+            full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
+        )
+    param.copy_(full)
+
+
+def normal_(std: float, truncate: bool = True) -> FillFn:
+    """A fill drawing from N(0, std^2), truncated at +-3 std by default."""
+
+    def fill(t: torch.Tensor, g: torch.Generator) -> None:
+        if truncate:
+            torch.nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=g)
+        else:
+            torch.nn.init.normal_(t, mean=0.0, std=std, generator=g)
+
+    return fill
+
+
+def ones_(t: torch.Tensor, g: torch.Generator) -> None:
+    t.fill_(1.0)

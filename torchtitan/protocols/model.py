@@ -1,0 +1,42 @@
+"""What the trainer needs from a model family, beyond being an nn.Module."""
+
+import dataclasses
+from typing import Protocol, Self
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class BaseModelArgs:
+    """Hyper-parameters of one model flavor.
+
+    A family subclasses this with its own fields; the trainer only relies on the methods below.
+    """
+
+    def finalize(self, tokenizer_vocab_size: int, seq_len: int) -> Self:
+        """The args to build with, once the tokenizer and sequence length are known."""
+        return self
+
+    def check(self) -> list[tuple[str, str]]:
+        """Problems with these args as (field, reason) pairs; empty when the args are usable."""
+        return []
+
+    def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token."""
+        return 6.0 * num_params_without_embedding
+
+
+class TrainableModel(Protocol):
+    """A model the trainer can build on the meta device and then initialise for real."""
+
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter and buffer, identically for any parallel layout."""
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Parameter count (global, not per shard); embedding tables are nn.Embedding weights."""
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        total -= sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    return total

@@ -1,0 +1,215 @@
+"""Train a model from one TOML file: build everything from the JobConfig, then run the loop.
+
+    python -m torchtitan.train --job.config_file train_configs/debug_model.toml [--section.field value ...]
+    torchrun --nproc_per_node=N -m torchtitan.train --job.config_file ...
+"""
+
+import contextlib
+import gc
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.loss import count_valid_tokens
+from torchtitan.components.metrics import MetricsLogger
+from torchtitan.config import ConfigError, JobConfig, load_config
+from torchtitan.config.loading import config_to_toml, format_help
+from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.distributed import device as device_lib
+from torchtitan.distributed.collectives import sum_over
+from torchtitan.distributed.data_parallel import DTYPES
+from torchtitan.distributed.grad_norm import clip_grad_norm_
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.log import init_logger, logger
+from torchtitan.protocols.model import count_params
+from torchtitan.protocols.train_spec import get_train_spec
+
+
+class TrainingError(Exception):
+    """The run cannot continue (e.g. a non-finite loss); the message says why and at which step."""
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        training = cfg.training
+
+        # Where we run, and how the ranks are laid out.
+        self.device = device_lib.init_distributed(cfg.comm.init_timeout_seconds)
+        self.rank = device_lib.rank()
+        self.parallel_dims = ParallelDims.from_config(cfg.parallelism, device_lib.world_size())
+        self.parallel_dims.build_mesh(self.device.type)
+        self._seed(cfg.debug.seed, cfg.debug.deterministic)
+
+        # The model: built on the meta device, parallelized, then materialised and initialised.
+        spec = get_train_spec(cfg.model.name)
+        self.tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
+        self.model_args = spec.flavors[cfg.model.flavor].finalize(self.tokenizer.vocab_size, training.seq_len)
+        with torch.device("meta"):
+            model = spec.model_cls(self.model_args)
+        num_params = count_params(model)
+        self.flops_per_token = self.model_args.flops_per_token(count_params(model, exclude_embedding=True),
+                                                               training.seq_len)
+        logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, "
+                    f"{self.flops_per_token / 1e9:.3f} GFLOPs per token; {self.parallel_dims}")
+        model = spec.parallelize_fn(model, self.parallel_dims, cfg)
+        model.to_empty(device=self.device)
+        model.to(DTYPES[training.dtype])
+        model.init_weights(cfg.debug.seed, buffer_device=self.device)
+        model.train()
+        self.model_parts = [model]
+
+        # Optimisation.
+        self.optimizer = spec.build_optimizer_fn(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, training.steps)
+        self.loss_fn = spec.build_loss_fn(
+            compile_loss=cfg.compile.enable and "loss" in cfg.compile.components, backend=cfg.compile.backend
+        )
+        # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
+        # requested precision through autocast.
+        compute_dtype = DTYPES[training.mixed_precision_param]
+        use_autocast = not self.parallel_dims.fsdp_enabled and compute_dtype != DTYPES[training.dtype]
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=compute_dtype))
+            if use_autocast else contextlib.nullcontext
+        )
+
+        # Data: each data-parallel rank reads its share of one global stream.
+        dp_rank, dp_degree = self.parallel_dims.dp_coordinates()
+        global_batch = training.global_batch_size
+        if global_batch == -1:
+            global_batch = training.local_batch_size * dp_degree
+        self.grad_accum_steps = global_batch // (training.local_batch_size * dp_degree)
+        self.dataloader = spec.build_dataloader_fn(
+            self.tokenizer,
+            dataset=training.dataset,
+            dataset_path=training.dataset_path,
+            seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_degree,
+            num_workers=training.dataloader.num_workers,
+            pin_memory=training.dataloader.pin_memory,
+            prefetch_factor=training.dataloader.prefetch_factor,
+            persistent_workers=training.dataloader.persistent_workers,
+        )
+        self.loss_mesh = self.parallel_dims.submesh("dp_cp")
+
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, self.device,
+                                     self.flops_per_token)
+        self.step = 0
+        logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
+                    f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
+
+    @staticmethod
+    def _seed(seed: int, deterministic: bool) -> None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
+        self.optimizer.zero_grad()
+        # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
+        local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
+        global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
+        model = self.model_parts[0]
+        step_loss = torch.zeros((), device=self.device)
+        for input_ids, labels in microbatches:
+            input_ids = input_ids.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self.autocast():
+                logits = model(input_ids)
+            loss = self.loss_fn(logits, labels, global_tokens)
+            del logits  # the largest activation; free it before backward allocates gradients
+            loss.backward()
+            step_loss += loss.detach()
+        params = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return sum_over(step_loss, self.loss_mesh), grad_norm
+
+    def train(self) -> None:
+        cfg = self.cfg.training
+        data = iter(self.dataloader)
+        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
+        for step in range(self.step + 1, cfg.steps + 1):
+            self.step = step
+            if step % cfg.gc_freq == 0:
+                gc.collect(1)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            microbatches = [next(data) for _ in range(self.grad_accum_steps)]
+            loss, grad_norm = self.train_step(microbatches)
+            self.metrics.count_tokens(sum(ids.numel() for ids, _ in microbatches))
+            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                raise TrainingError(
+                    f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
+                    f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
+                )
+            if self.metrics.should_log(step, cfg.steps):
+                self.metrics.log(step, loss_value, norm_value, lr)
+            if step == 1:
+                device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+        gc.enable()
+        logger.info(f"training finished after {cfg.steps} steps")
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def save_resolved_config(cfg: JobConfig) -> None:
+    text = config_to_toml(cfg)
+    if cfg.job.print_config:
+        print(text)
+    path = Path(cfg.job.dump_folder) / cfg.job.save_config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def load_and_validate(argv: list[str]) -> JobConfig:
+    """The validated config, or ConfigError. Shared with ``python -m torchtitan.config``."""
+    cfg, sources = load_config(argv)
+    import_custom_modules(cfg, sources)
+    validate_config(cfg, sources, device_lib.world_size())
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(format_help())
+        return 0
+    try:
+        cfg = load_and_validate(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0")) if device_lib.launched_distributed() else 0
+    init_logger(rank, all_ranks=cfg.metrics.save_for_all_ranks)
+    if rank == 0:
+        save_resolved_config(cfg)
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
