@@ -1,10 +1,11 @@
 """FSDP2 / HSDP and DDP for models built of a stack of blocks under ``model.layers``."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,16 +41,22 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
     # The loss is already divided by the global token count, so ranks' gradients must be summed, not
     # averaged. Forcing a plain sum also avoids ReduceOp.PREMUL_SUM, which gloo does not have.
-    model.set_gradient_divide_factor(1.0)
-    model.set_force_sum_reduction_for_comms(True)
+    # Both settings are per FSDP unit, so set them on every unit, not only the root.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Replicate the model over ``mesh``; gradients are summed for the same reason as in FSDP."""
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
-    world = mesh.size()
-    for p in model.parameters():
-        # DDP averages; scale back so the result is the sum of the ranks' gradients.
-        p.register_hook(lambda g: g * world)
+    # DDP's built-in hook averages; ours sums.
+    model.register_comm_hook(mesh.get_group(), _sum_allreduce_hook)
     return model
