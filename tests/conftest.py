@@ -1,12 +1,20 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "assets" / "tokenizer"
+
+# No test may reach the Hugging Face hub: hub loads fail fast instead (subprocesses inherit this).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+# `datasets` leaves a lock file per data file read in its cache; keep the tests' out of the user's cache.
+_DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="torchtitan-tests-datasets-")
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,14 +17,19 @@ import torch.distributed as dist
 
 from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.profiling import Profiler
+from torchtitan.components.validate import Validator
+from torchtitan.components.provenance import save_provenance
 from torchtitan.config import ConfigError, JobConfig, load_config
-from torchtitan.config.loading import config_to_toml, format_help
+from torchtitan.config.loading import config_to_dict, config_to_toml, format_help
 from torchtitan.config.validation import import_custom_modules, validate_config
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.data_parallel import DTYPES
 from torchtitan.distributed.grad_norm import clip_grad_norm_
+from torchtitan.data import DataError
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.train_spec import get_train_spec
@@ -96,11 +102,25 @@ class Trainer:
             pin_memory=training.dataloader.pin_memory,
             prefetch_factor=training.dataloader.prefetch_factor,
             persistent_workers=training.dataloader.persistent_workers,
+            text_column=training.dataset_text_column,
         )
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
+        # Tokens one device accounts for per step: TP and CP ranks share their replica's tokens.
+        self.tokens_per_device = global_batch * training.seq_len / self.parallel_dims.world_size
+        self.loss_parallel = self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self.validator = None
+        if cfg.validation.enable:
+            self.validator = Validator(
+                cfg.validation, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_degree, loss_fn=self.loss_fn,
+                device=self.device, dp_mesh=self.parallel_dims.submesh("dp"), autocast=self.autocast,
+            )
 
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.rank, self.device,
-                                     self.flops_per_token)
+        self.metrics = MetricsLogger(
+            cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype, self.flops_per_token,
+            training.steps, run_config=config_to_dict(cfg),
+        )
+        if self.rank == 0:
+            save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device)
         self.step = 0
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
@@ -126,10 +146,11 @@ class Trainer:
             labels = labels.to(self.device, non_blocking=True)
             with self.autocast():
                 logits = model(input_ids)
-            loss = self.loss_fn(logits, labels, global_tokens)
-            del logits  # the largest activation; free it before backward allocates gradients
-            loss.backward()
-            step_loss += loss.detach()
+            with loss_parallel_context(self.loss_parallel):
+                loss = self.loss_fn(logits, labels, global_tokens)
+                del logits  # the largest activation; free it before backward allocates gradients
+                loss.backward()
+            step_loss += to_local_scalar(loss.detach())
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
         self.optimizer.step()
@@ -139,26 +160,35 @@ class Trainer:
     def train(self) -> None:
         cfg = self.cfg.training
         data = iter(self.dataloader)
+        profiler = Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device)
         gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
-        for step in range(self.step + 1, cfg.steps + 1):
-            self.step = step
-            if step % cfg.gc_freq == 0:
-                gc.collect(1)
-            lr = self.lr_scheduler.get_last_lr()[0]
-            microbatches = [next(data) for _ in range(self.grad_accum_steps)]
-            loss, grad_norm = self.train_step(microbatches)
-            self.metrics.count_tokens(sum(ids.numel() for ids, _ in microbatches))
-            loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                raise TrainingError(
-                    f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
-                    f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
-                )
-            if self.metrics.should_log(step, cfg.steps):
-                self.metrics.log(step, loss_value, norm_value, lr)
-            if step == 1:
-                device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
-        gc.enable()
+        try:
+            for step in range(self.step + 1, cfg.steps + 1):
+                self.step = step
+                if step % cfg.gc_freq == 0:
+                    gc.collect(1)
+                lr = self.lr_scheduler.get_last_lr()[0]
+                data_start = time.perf_counter()
+                microbatches = [next(data) for _ in range(self.grad_accum_steps)]
+                data_seconds = time.perf_counter() - data_start
+                loss, grad_norm = self.train_step(microbatches)
+                profiler.step(step)
+                self.metrics.record_step(step, self.tokens_per_device, data_seconds)
+                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+                if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                    raise TrainingError(
+                        f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
+                        f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
+                    )
+                if self.metrics.should_log(step, cfg.steps):
+                    self.metrics.log(step, loss_value, norm_value, lr)
+                if self.validator is not None and self.validator.should_validate(step):
+                    self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+                if step == 1:
+                    device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+        finally:
+            gc.enable()
+            profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")
 
     def close(self) -> None:
@@ -200,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(cfg)
         trainer.train()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -68,7 +68,7 @@ def test_tiny_model_learns_and_logs_every_step(tmp_path):
     trainer.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 10, 20, 30, 40, 50, 60]
-    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"}
+    assert {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "elapsed_s"} <= set(rows[0])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert all(r["tps"] > 0 and r["memory_gib"] > 0 for r in rows)
 

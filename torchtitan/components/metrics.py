@@ -1,6 +1,9 @@
-"""Training metrics: the console line and metrics.jsonl, with throughput and MFU."""
+"""Training metrics: one console line and one row per logged step, with throughput, MFU and timing.
 
-import json
+Rows go to metrics.jsonl and, when enabled, TensorBoard and W&B; rank 0 only unless
+metrics.save_for_all_ranks.
+"""
+
 import resource
 import sys
 import time
@@ -8,36 +11,10 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.components.metric_backends import JsonlBackend, TensorBoardBackend, WandbBackend
+from torchtitan.components.peak_flops import device_peak_tflops
 from torchtitan.config.job_config import Metrics as MetricsConfig
 from torchtitan.log import logger
-
-# Dense bf16 peak TFLOP/s per device, from vendors' data sheets (no sparsity).
-PEAK_BF16_TFLOPS = {
-    "A100": 312.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H200": 989.0,
-    "B200": 2250.0,
-    "MI300X": 1307.0,
-    "MI325X": 1307.0,
-    "L40S": 362.0,
-}
-
-
-def device_peak_tflops(device: torch.device, override: float | None) -> float | None:
-    """The device's peak, from the override or the table; None (MFU not reported) when unknown."""
-    if override is not None:
-        return override
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        # Longest key first so "H100 PCIe" wins over "H100".
-        for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-            if key in name:
-                return PEAK_BF16_TFLOPS[key]
-        logger.warning(f"unknown GPU '{name}': MFU is not reported; set metrics.peak_tflops to enable it")
-        return None
-    logger.warning(f"no known peak for device '{device.type}': MFU is not reported; set metrics.peak_tflops")
-    return None
 
 
 def memory_gib(device: torch.device) -> float:
@@ -49,41 +26,60 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes one console line and one metrics.jsonl row per logged step."""
-
-    def __init__(self, cfg: MetricsConfig, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float):
+    def __init__(
+        self,
+        cfg: MetricsConfig,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        flops_per_token: float,
+        total_steps: int,
+        run_config: dict | None = None,
+    ):
         self.cfg = cfg
         self.device = device
         self.flops_per_token = flops_per_token
-        self.peak_tflops = device_peak_tflops(device, cfg.peak_tflops)
+        self.peak_tflops = device_peak_tflops(device, compute_dtype, cfg.peak_tflops)
         self.writes = rank == 0 or cfg.save_for_all_ranks
         self.color = not cfg.disable_color_printing and sys.stdout.isatty()
-        self.jsonl = None
+        self.backends: list = []
         if self.writes:
-            name = "metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl"
-            path = Path(dump_folder) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.jsonl = path.open("a")
+            folder = Path(dump_folder)
+            self.backends.append(JsonlBackend(folder / ("metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl")))
+            if cfg.enable_tensorboard:
+                self.backends.append(TensorBoardBackend(folder / cfg.save_tb_folder / f"rank{rank}"))
+            if cfg.enable_wandb:
+                group = folder.name if cfg.save_for_all_ranks else None
+                self.backends.append(WandbBackend(folder, cfg.wandb_project,
+                                                  cfg.wandb_run_name, run_config or {}, group))
+        self.progress = _ProgressBar(total_steps) if self.writes and sys.stdout.isatty() else None
         self.start = self.last_time = time.perf_counter()
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self.tokens_since_log = 0
+        self.steps_since_log = 0
+        self.data_seconds = 0.0
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step == 1 or step % self.cfg.log_freq == 0 or step == last_step
 
-    def count_tokens(self, local_tokens: int) -> None:
+    def record_step(self, step: int, local_tokens: int, data_seconds: float) -> None:
+        """Account one finished step: tokens this rank processed and time spent waiting for data."""
         self.tokens_since_log += local_tokens
-
-    def reset_clock(self) -> None:
-        """Start timing from now (e.g. after the first, compile-heavy step)."""
-        self.last_time = time.perf_counter()
-        self.tokens_since_log = 0
+        self.steps_since_log += 1
+        self.data_seconds += data_seconds
+        if self.progress is not None:
+            self.progress.update(step)
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
         now = time.perf_counter()
-        tps = self.tokens_since_log / max(now - self.last_time, 1e-9)
+        elapsed = max(now - self.last_time, 1e-9)
+        tps = self.tokens_since_log / elapsed
         tflops = tps * self.flops_per_token / 1e12
         mfu = 100.0 * tflops / self.peak_tflops if self.peak_tflops else None
+        steps = max(self.steps_since_log, 1)
         row = {
             "step": step,
             "loss": loss,
@@ -94,13 +90,26 @@ class MetricsLogger:
             "mfu": None if mfu is None else round(mfu, 3),
             "memory_gib": round(memory_gib(self.device), 3),
             "elapsed_s": round(now - self.start, 3),
+            "step_time_s": round(elapsed / steps, 4),
+            "data_time_s": round(self.data_seconds / steps, 4),
+            "data_pct": round(100.0 * self.data_seconds / elapsed, 2),
         }
-        self.last_time, self.tokens_since_log = now, 0
-        if self.writes:
-            self.jsonl.write(json.dumps(row) + "\n")
-            self.jsonl.flush()
-            logger.info(self._console_line(row))
+        self.last_time = now
+        self._reset_window()
+        self._emit(row, self._console_line(row))
         return row
+
+    def log_validation(self, step: int, values: dict) -> None:
+        """A validation row: its keys are val_* so no reader mistakes them for the training loss."""
+        row = {"step": step, **values}
+        self._emit(row, f"validation step: {step}  " + "  ".join(f"{k}: {v:.4f}" for k, v in values.items()))
+
+    def _emit(self, row: dict, line: str) -> None:
+        if not self.writes:
+            return
+        for backend in self.backends:
+            backend.log(row)
+        logger.info(line)
 
     def _console_line(self, row: dict) -> str:
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.2f}%"
@@ -113,10 +122,33 @@ class MetricsLogger:
             ("tps", f"{row['tps']:,.0f}", "\033[35m"),
             ("tflops", f"{row['tflops']:.2f}", "\033[36m"),
             ("mfu", mfu, "\033[32m"),
+            ("step_time", f"{row['step_time_s']:.3f}s", "\033[37m"),
+            ("data", f"{row['data_time_s']:.3f}s ({row['data_pct']:.1f}%)", "\033[37m"),
         ]
         reset = "\033[0m"
         return "  ".join(f"{c}{k}: {v}{reset}" if self.color else f"{k}: {v}" for k, v, c in fields)
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
+        for backend in self.backends:
+            backend.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+class _ProgressBar:
+    """A tqdm bar with ETA on a terminal; log lines are routed around it so neither garbles the other."""
+
+    def __init__(self, total_steps: int):
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+        self.redirect = logging_redirect_tqdm(loggers=[logger])
+        self.redirect.__enter__()
+
+    def update(self, step: int) -> None:
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.redirect.__exit__(None, None, None)

@@ -43,10 +43,14 @@ class Metrics:
     log_freq: int = option(10, "Log metrics every this many steps (step 1 and the last step are always logged)")
     enable_tensorboard: bool = option(False, "Write TensorBoard event files")
     save_tb_folder: str = option("tb", "TensorBoard folder, relative to dump_folder")
-    enable_wandb: bool = option(False, "Log to Weights & Biases")
+    enable_wandb: bool = option(False, "Log to Weights & Biases (WANDB_MODE=offline writes the run to disk)")
+    wandb_project: str | None = option(None, "W&B project (default: $WANDB_PROJECT, else 'torchtitan')")
+    wandb_run_name: str | None = option(None, "W&B run name (default: $WANDB_NAME, else the dump folder's name)")
     disable_color_printing: bool = option(False, "Print the console metrics line without colors")
     save_for_all_ranks: bool = option(False, "Write metrics from every rank, not only rank 0")
-    peak_tflops: float | None = option(None, "Peak TFLOP/s of one device for MFU; overrides the built-in table")
+    peak_tflops: float | None = option(
+        None, "Peak TFLOP/s of one device for MFU; overrides the GPU table and the CPU calibration"
+    )
 
 
 @dataclass
@@ -90,8 +94,11 @@ class DataLoader:
 
 @dataclass
 class Training:
-    dataset: str = option("pydocs", "Registered dataset name")
-    dataset_path: str | None = option(None, "Local dataset file or folder")
+    dataset: str = option("pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103")
+    dataset_path: str | None = option(
+        None, "Local json/jsonl/parquet/arrow/txt file or folder; used instead of training.dataset when set"
+    )
+    dataset_text_column: str = option("text", "Column holding the text in training.dataset_path files")
     local_batch_size: int = option(8, "Sequences per micro-batch on each data-parallel rank")
     global_batch_size: int = option(
         -1, "Sequences per optimizer step over all ranks (-1 = local x dp, no accumulation)"
@@ -199,7 +206,10 @@ class Comm:
 class Validation:
     enable: bool = option(False, "Run validation during training")
     dataset: str = option("pydocs", "Registered dataset used for validation (its validation split)")
-    dataset_path: str | None = option(None, "Local validation dataset file or folder")
+    dataset_path: str | None = option(
+        None, "Local validation file or folder (all of it is held out); used instead of validation.dataset when set"
+    )
+    dataset_text_column: str = option("text", "Column holding the text in validation.dataset_path files")
     local_batch_size: int = option(8, "Validation sequences per rank per step")
     seq_len: int = option(2048, "Validation sequence length")
     freq: int = option(10, "Validate every this many training steps")

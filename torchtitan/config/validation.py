@@ -6,6 +6,7 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.loading import ConfigError, ConfigSources
+from torchtitan.distributed.device import device_type
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -61,10 +62,15 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
 def _check_training(c: _Checker) -> None:
     t = c.cfg.training
     c.positive("training.steps", "training.seq_len", "training.local_batch_size", "training.gc_freq",
-               "metrics.log_freq")
-    # Every worker would tokenize the whole global stream, so more than one only adds cost.
-    c.require("training.dataloader.num_workers", t.dataloader.num_workers in (0, 1),
-              "is invalid; it must be 0 (load in the training process) or 1 (one background worker)")
+               "metrics.log_freq", "profiling.profile_freq")
+    loader = t.dataloader
+    c.require("training.dataloader.num_workers", loader.num_workers >= 0,
+              "is invalid; it must be >= 0 (0 = load in the training process)")
+    c.require("training.dataloader.prefetch_factor", loader.prefetch_factor is None or
+              (loader.num_workers > 0 and loader.prefetch_factor > 0),
+              "is invalid; it must be unset, or > 0 with training.dataloader.num_workers > 0")
+    c.require("training.dataloader.persistent_workers", not loader.persistent_workers or loader.num_workers > 0,
+              "needs training.dataloader.num_workers > 0")
     c.require("training.global_batch_size", t.global_batch_size == -1 or t.global_batch_size > 0,
               "is invalid; it must be -1 (local x data-parallel degree) or > 0")
     peak = c.cfg.metrics.peak_tflops
@@ -108,6 +114,16 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
     c.require("parallelism.data_parallel_shard_degree", others * shard == world_size,
               f"is invalid: replicate x shard x tp x pp x cp = {others * shard}, but the world size is "
               f"{world_size}; the degrees must multiply to the world size")
+    tp = p.tensor_parallel_degree
+    c.require("parallelism.tensor_parallel_degree", c.cfg.training.seq_len % tp == 0,
+              f"does not divide training.seq_len = {c.cfg.training.seq_len}, which sequence parallelism shards")
+    if p.enable_async_tensor_parallel:
+        # Async TP rewrites compiled graphs to overlap NCCL collectives using symmetric memory.
+        c.require("parallelism.enable_async_tensor_parallel", tp > 1, "needs parallelism.tensor_parallel_degree > 1")
+        c.require("parallelism.enable_async_tensor_parallel", device_type() == "cuda",
+                  f"needs CUDA GPUs (symmetric memory); this machine's device is '{device_type()}'")
+        c.require("parallelism.enable_async_tensor_parallel", c.cfg.compile.enable,
+                  "needs compile.enable = true (it works on compiled graphs)")
     t = c.cfg.training
     if t.global_batch_size != -1:
         per_step = t.local_batch_size * p.data_parallel_replicate_degree * shard
@@ -125,8 +141,12 @@ def _check_model(c: _Checker) -> None:
         c.fail("model.name", f"is unknown: {e.args[0]}")
     c.require("model.flavor", m.flavor in spec.flavors,
               f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")
-    for field, reason in spec.flavors[m.flavor].check():
+    flavor = spec.flavors[m.flavor]
+    for field, reason in flavor.check():
         c.fail("model.flavor", f"has an invalid {field}: {reason}")
+    tp = c.cfg.parallelism.tensor_parallel_degree
+    for field, reason in flavor.check_tensor_parallel(tp):
+        c.fail("parallelism.tensor_parallel_degree", f"does not fit model.flavor = {m.flavor!r}: its {field} {reason}")
     folder = Path(m.hf_assets_path)
     c.require("model.hf_assets_path", folder.is_dir(), "does not exist; it must be a folder holding a tokenizer")
     c.require("model.hf_assets_path", any((folder / f).is_file() for f in TOKENIZER_FILES),
@@ -142,30 +162,40 @@ def _check_model(c: _Checker) -> None:
 
 
 def _check_data(c: _Checker) -> None:
-    from torchtitan.data.dataset import registered_datasets
+    from torchtitan.data.sources import HUB_DATASETS, registered_datasets
 
-    t = c.cfg.training
-    if t.dataset_path is not None:
-        c.require("training.dataset_path", Path(t.dataset_path).exists(), "does not exist")
-    else:
-        c.require("training.dataset", t.dataset in registered_datasets(),
+    for section in ("training", "validation"):
+        s = getattr(c.cfg, section)
+        if section == "validation" and not s.enable:
+            continue
+        if s.dataset_path is not None:
+            c.require(f"{section}.dataset_path", Path(s.dataset_path).exists(), "does not exist")
+            continue
+        c.require(f"{section}.dataset", s.dataset in registered_datasets(),
                   f"is not a registered dataset; valid: {', '.join(registered_datasets())} "
-                  f"(or set training.dataset_path)")
+                  f"(or set {section}.dataset_path)")
+        split = "train" if section == "training" else "validation"
+        hub = HUB_DATASETS.get(s.dataset)
+        with_split = ["pydocs"] + [name for name, d in HUB_DATASETS.items() if split in d.splits]
+        c.require(f"{section}.dataset", hub is None or split in hub.splits,
+                  f"has no {split} split; valid: {', '.join(with_split)} (or set {section}.dataset_path)")
+    v = c.cfg.validation
+    if v.enable:
+        c.positive("validation.freq", "validation.local_batch_size", "validation.seq_len")
+        c.require("validation.steps", v.steps == -1 or v.steps > 0,
+                  "is invalid; it must be -1 (the whole split) or > 0")
+        c.require("validation.seq_len", v.seq_len <= c.cfg.training.seq_len,
+                  f"is longer than training.seq_len = {c.cfg.training.seq_len}, the longest sequence the model is "
+                  f"built for; set it <= {c.cfg.training.seq_len}")
 
 
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    c.not_yet("parallelism.tensor_parallel_degree", p.tensor_parallel_degree > 1, "tensor parallelism")
     c.not_yet("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree > 1, "pipeline parallelism")
     c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("checkpoint.enable", cfg.checkpoint.enable, "checkpointing")
-    c.not_yet("validation.enable", cfg.validation.enable, "validation")
-    c.not_yet("profiling.enable_profiling", cfg.profiling.enable_profiling, "profiling")
-    c.not_yet("profiling.enable_memory_snapshot", cfg.profiling.enable_memory_snapshot, "memory snapshots")
-    c.not_yet("metrics.enable_tensorboard", cfg.metrics.enable_tensorboard, "TensorBoard")
-    c.not_yet("metrics.enable_wandb", cfg.metrics.enable_wandb, "Weights & Biases")
     c.not_yet("model.converters", bool(cfg.model.converters), "model converters")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint

@@ -1,8 +1,23 @@
-"""Data pipeline: the pydocs corpus, tokenizers and the packed-token dataloader."""
+"""Data pipeline: tokenizers, document sources (pydocs, HF hub, local files), packing and the stateful loader."""
 
-from torchtitan.data.dataloader import build_dataloader
-from torchtitan.data.dataset import register_dataset
+from torchtitan.data.dataloader import TokenDataLoader, build_dataloader
+from torchtitan.data.dataset import PackedTokenDataset, StreamPosition, document_ids
+from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.data.sources import load_documents, register_dataset, registered_datasets
 from torchtitan.data.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["Tokenizer", "build_dataloader", "build_tokenizer", "load_pydocs_documents", "register_dataset"]
+__all__ = [
+    "DataError",
+    "PackedTokenDataset",
+    "StreamPosition",
+    "TokenDataLoader",
+    "Tokenizer",
+    "build_dataloader",
+    "build_tokenizer",
+    "document_ids",
+    "load_documents",
+    "load_pydocs_documents",
+    "register_dataset",
+    "registered_datasets",
+]

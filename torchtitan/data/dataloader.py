@@ -1,13 +1,84 @@
-"""Builds the stateful dataloader that feeds (input_ids, labels) batches to training."""
+"""The stateful dataloader that feeds (input_ids, labels) micro-batches to training.
+
+Its state (``state_dict()``, saved per data-parallel rank) is the position in the global token stream
+after the last micro-batch it handed out: a document index and a token offset in it (see
+torchtitan/data/dataset.py). That position is identical on every rank of a step and independent of
+the layout, so ``load_state_dict`` restores the exact next micro-batch, and it does so also under
+another data-parallel degree, local batch, accumulation or worker count: the resumed run reads the
+stream from the same token, so no token is repeated or skipped. A rank of a new layout may load any
+old rank's state (e.g. rank 0's).
+
+torchdata's own snapshot (every worker's iterator state) is not used for this: it is tied to the
+worker count and cannot move to another layout, while the stream position can.
+"""
 
 from __future__ import annotations
 
+import traceback
 import warnings
+from collections.abc import Iterator
 
+import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.data.dataset import PackedTokenDataset, load_documents
+from torchtitan.data.dataset import PackedTokenDataset, StreamPosition
+from torchtitan.data.errors import DataError
+from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
+
+
+class TokenDataLoader(StatefulDataLoader):
+    """Iterates a rank's (input_ids, labels) micro-batches; resumable at any micro-batch (see the module doc).
+
+    Every ``iter()`` starts at the start position: the beginning of the data, or the position given to
+    ``load_state_dict``.
+    """
+
+    def __init__(self, dataset: PackedTokenDataset, **loader_kwargs):
+        with warnings.catch_warnings():
+            # torchdata 0.11 calls a torch API that torch now deprecates; the warning is not ours to act on.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            # The dataset yields whole micro-batches: a worker owns a micro-batch, not single windows.
+            super().__init__(dataset, batch_size=None, **loader_kwargs)
+        self._position = dataset.start
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._position = self.dataset.start
+        return self._batches(super().__iter__())
+
+    def _batches(self, items: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            try:
+                input_ids, labels, position = next(items)
+            except StopIteration:
+                return
+            except DataError as e:
+                error = DataError.from_worker(e)
+                # torch's re-raise leaves a cycle (exception -> traceback -> frame -> exception) that keeps
+                # the worker iterator alive until the garbage collector finds it, and an iterator collected
+                # that way stalls for torch's 5 s join timeout per worker. Clearing the frames breaks it.
+                traceback.clear_frames(e.__traceback__)
+            else:
+                self._position = StreamPosition.from_state_dict(position)
+                yield input_ids, labels
+                continue
+            # Raised outside the except block (no exception context), after dropping the iterator:
+            # its workers stop now.
+            del items
+            self._iterator = None
+            raise error
+
+    def state_dict(self) -> dict:
+        """The stream position after the last micro-batch handed out (layout-independent)."""
+        return {"stream_position": self._position.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Make the next iteration start right after the micro-batch at which state_dict was taken."""
+        if "stream_position" not in state_dict:
+            raise ValueError(f"dataloader state has keys {sorted(state_dict)}; expected 'stream_position'")
+        self.dataset.start = self._position = StreamPosition.from_state_dict(state_dict["stream_position"])
+        # Persistent workers keep their copy of the dataset; start new ones that see the new position.
+        self._iterator = None
 
 
 def build_dataloader(
@@ -23,33 +94,28 @@ def build_dataloader(
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
     persistent_workers: bool = False,
+    text_column: str = "text",
     split: str = "train",
     infinite: bool = True,
-) -> StatefulDataLoader:
-    """Return a resumable loader of (input_ids, labels) batches, each [local_batch_size, seq_len]."""
-    if local_batch_size < 1:
-        raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
-    if num_workers > 1:
-        raise ValueError(
-            f"num_workers={num_workers} is not supported: use 0 or 1 "
-            "(every worker would have to tokenize the whole stream)"
-        )
+) -> TokenDataLoader:
+    """Return a resumable loader of one rank's (input_ids, labels) micro-batches, each [local_batch_size, seq_len].
+
+    dataset_path (local files or a folder) takes precedence over the registered dataset name.
+    """
     packed = PackedTokenDataset(
-        load_documents(dataset, dataset_path, split),
+        load_documents(dataset, dataset_path, split, text_column),
         tokenizer,
         seq_len=seq_len,
+        local_batch_size=local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         infinite=infinite,
+        label=repr(dataset_path if dataset_path is not None else dataset),
     )
-    with warnings.catch_warnings():
-        # torchdata 0.11 calls a torch API that torch now deprecates; the warning is not ours to act on.
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(
-            packed,
-            batch_size=local_batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-        )
+    return TokenDataLoader(
+        packed,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+    )

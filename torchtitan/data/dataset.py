@@ -1,98 +1,165 @@
-"""Document sources (a name registry and local files) and the packed token-window dataset."""
+"""Packing documents into one global stream of training windows, and each rank's (and worker's) share of it.
+
+The stream: every non-empty document becomes BOS + tokens + EOS, documents follow each other in
+order, and the token sequence is cut into windows of seq_len + 1 tokens where window i covers tokens
+[i * seq_len, (i + 1) * seq_len]: each window starts on the last token of the previous one, so every
+adjacent pair of tokens is trained on exactly once. A window gives input_ids = w[:-1], labels = w[1:].
+
+Layout independence: a data-parallel rank's micro-batch takes the next local_batch x dp windows of the
+stream (a "round"), rank r keeping windows r, r + dp, r + 2 dp, ... of it. The union over ranks of a
+step's micro-batches is therefore the next global_batch windows of the one stream, whatever the
+data-parallel degree, local batch and accumulation: every layout trains on the same sequences at
+every step. Every rank (and every dataloader worker) tokenizes the whole stream to know where windows
+fall, and materialises only its own.
+
+Dataloader workers: worker w of W produces the rank's micro-batches w, w + W, w + 2W, ... counted from
+where the iteration starts, which is the order torch's loader asks its workers in, so the workers'
+shares are disjoint and interleave back into the single-process order.
+
+Resuming: the stream position after a micro-batch is a document and a token in it (`StreamPosition`);
+it is the same on every rank and means the same thing under any layout, so a run resumed from it with
+another data-parallel degree, batch size or worker count continues with no token repeated or skipped.
+"""
 
 from __future__ import annotations
 
-import copy
+import collections
 import itertools
-import json
-import pathlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.data.errors import DataError
 from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.log import logger
 
-DocumentLoader = Callable[[str], Iterable[str]]
-
-_DATASETS: dict[str, DocumentLoader] = {}
-
-
-def register_dataset(name: str, loader_fn: DocumentLoader) -> None:
-    """Register (or replace) a dataset: loader_fn(split) returns that split's documents, re-iterable."""
-    _DATASETS[name] = loader_fn
+# Documents tokenized per call: enough for the tokenizer to work in parallel, little enough to stay close
+# to where the consumer is.
+_DOCUMENTS_PER_ENCODE = 64
 
 
-def registered_datasets() -> list[str]:
-    """Return the names of the registered datasets, sorted."""
-    return sorted(_DATASETS)
+@dataclass(frozen=True)
+class StreamPosition:
+    """A token of the stream: token `offset` (0 = its BOS) of document `document` in pass `epoch` over the data."""
+
+    epoch: int = 0
+    document: int = 0
+    offset: int = 0
+
+    def state_dict(self) -> dict:
+        """The position as plain ints (for checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> StreamPosition:
+        """Read a position written by state_dict."""
+        fields = set(asdict(cls()))
+        if set(state) != fields or not all(isinstance(v, int) and v >= 0 for v in state.values()):
+            raise ValueError(f"invalid stream position {state!r}; expected non-negative ints {sorted(fields)}")
+        return cls(**state)
 
 
-register_dataset("pydocs", load_pydocs_documents)
+def document_ids(input_ids: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Index of each token's document within its row (0 = the row's first), for attention that masks across documents.
 
-
-class LocalTextFile:
-    """Documents of a local file, re-read on every iteration.
-
-    A ``.jsonl`` file holds one JSON object with a "text" field per line; in a
-    ``.txt`` file every non-empty line is a document.
+    Documents start at BOS, and BOS never comes from text (the tokenizers encode special-token strings
+    as text), so two tokens belong to the same document exactly when their ids here are equal.
     """
-
-    SUFFIXES = (".jsonl", ".txt")
-
-    def __init__(self, path: str | pathlib.Path):
-        self.path = pathlib.Path(path)
-        if self.path.suffix not in self.SUFFIXES:
-            raise ValueError(f"unsupported dataset_path {str(self.path)!r}: expected one of {list(self.SUFFIXES)}")
-        if not self.path.is_file():
-            raise FileNotFoundError(f"dataset_path {str(self.path)!r} does not exist")
-
-    def __iter__(self) -> Iterator[str]:
-        with self.path.open(encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                yield json.loads(line)["text"] if self.path.suffix == ".jsonl" else line.rstrip("\n")
+    starts = (input_ids == bos_id).cumsum(-1)
+    return starts - starts[..., :1]
 
 
-def load_documents(dataset: str, dataset_path: str | None, split: str) -> Iterable[str]:
-    """Return the documents of a split: the local file dataset_path if given, else the registered dataset."""
-    if dataset_path is not None:
-        # A local file stands on its own: it has no splits and the dataset name is only a label.
-        return LocalTextFile(dataset_path)
-    if dataset not in _DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; registered datasets: {registered_datasets()}")
-    return _DATASETS[dataset](split)
+class _TokenStream:
+    """The packed token stream from a position on, read in windows."""
+
+    def __init__(self, documents: Iterable[str], tokenizer: Tokenizer, start: StreamPosition, infinite: bool,
+                 label: str, log_epochs: bool):
+        self._documents = documents
+        self._tokenizer = tokenizer
+        self._infinite = infinite
+        self._label = label
+        self._log_epochs = log_epochs
+        self._start = start
+        # Tokenized documents not yet consumed: [epoch, document, offset of tokens[0], tokens].
+        self._chunks: collections.deque[list] = collections.deque()
+        self._buffered = 0
+        self._pending = self._tokenized(start)
+
+    def position(self) -> StreamPosition:
+        """The position of the next token to be read (after a window, the first token of the next one)."""
+        if self._chunks:
+            epoch, document, offset, _ = self._chunks[0]
+            return StreamPosition(epoch, document, offset)
+        return self._start
+
+    def _encode(self, batch: list[tuple[int, object]]) -> list[tuple[int, np.ndarray]]:
+        texts = []
+        for index, text in batch:
+            if not isinstance(text, str):
+                raise DataError(f"dataset {self._label}: row {index} is {type(text).__name__}, not text")
+            if text.strip():  # empty documents would add nothing but a BOS/EOS pair
+                texts.append((index, text))
+        encoded = self._tokenizer.encode_batch([text for _, text in texts], bos=True, eos=True)
+        return [(index, np.asarray(ids, dtype=np.int64)) for (index, _), ids in zip(texts, encoded)]
+
+    def _tokenized(self, start: StreamPosition) -> Iterator[list]:
+        epoch, first = start.epoch, start.document
+        while True:
+            produced = False
+            rows = itertools.islice(enumerate(self._documents), first, None)
+            while batch := list(itertools.islice(rows, _DOCUMENTS_PER_ENCODE)):
+                for index, tokens in self._encode(batch):
+                    offset = start.offset if (epoch, index) == (start.epoch, start.document) else 0
+                    produced = True
+                    # A position saved with another tokenizer may lie past the document's end: never yield
+                    # an empty chunk.
+                    if offset < len(tokens):
+                        yield [epoch, index, offset, tokens[offset:]]
+            if not self._infinite:
+                return
+            if first == 0 and not produced:
+                raise DataError(f"dataset {self._label} has no non-empty documents; cannot cycle through it")
+            if self._log_epochs:
+                logger.info(f"dataset {self._label}: pass {epoch} over the data is done; starting pass {epoch + 1}")
+            epoch, first = epoch + 1, 0
+
+    def window(self, n: int) -> np.ndarray | None:
+        """The next n + 1 tokens, consuming n (the last one starts the next window); None at the end of the data."""
+        while self._buffered < n + 1:
+            chunk = next(self._pending, None)
+            if chunk is None:
+                return None
+            self._chunks.append(chunk)
+            self._buffered += len(chunk[3])
+        pieces, needed = [], n + 1
+        for chunk in self._chunks:
+            pieces.append(chunk[3][:needed])
+            needed -= len(pieces[-1])
+            if needed == 0:
+                break
+        to_consume = n
+        while to_consume:
+            chunk = self._chunks[0]
+            step = min(to_consume, len(chunk[3]))
+            chunk[2] += step
+            chunk[3] = chunk[3][step:]
+            to_consume -= step
+            if not len(chunk[3]):
+                self._chunks.popleft()
+        self._buffered -= n
+        return np.concatenate(pieces)
 
 
 class PackedTokenDataset(IterableDataset):
-    """Fixed-length training windows cut from one stream of tokenized documents.
+    """One data-parallel rank's micro-batches of the global window stream (see the module doc).
 
-    Each document becomes BOS + tokens + EOS; the documents are concatenated in
-    order and cut into windows of seq_len + 1 tokens that may span documents. A
-    window starts at the last token of the previous one, so every adjacent pair
-    of tokens in the stream is trained on exactly once. Each window yields
-    ``(input_ids, labels) = (w[:-1], w[1:])``, both LongTensors of shape [seq_len].
-
-    The window stream is global and identical on every data-parallel rank:
-    window i belongs to rank ``i % dp_world_size``. Every rank therefore
-    tokenizes the whole corpus, and the union of the ranks' batches at a step is
-    exactly the single-process batch. A rank yields its window only once the
-    whole round of dp_world_size windows exists, so with ``infinite=False`` all
-    ranks yield the same number of windows (a trailing partial round is dropped).
-
-    ``infinite=True`` restarts from the first document after the last one (the
-    stream continues across the epoch boundary); otherwise iteration stops and
-    the next iteration starts over from the beginning.
-
-    ``state_dict``/``load_state_dict`` (torchdata's Stateful protocol) capture
-    the stream position after the last yielded window, so a restored dataset
-    yields exactly the windows the original would have yielded next.
-
-    Only ``num_workers <= 1`` is supported: since each worker would have to
-    tokenize the whole stream to know the global window order, more workers
-    would add no throughput.
+    Yields ``(input_ids, labels, position)``: two LongTensors [local_batch_size, seq_len] and the
+    `StreamPosition` state after the whole round, identical on every rank. With ``infinite=False`` the
+    data is read once and a trailing partial round is dropped, so every rank yields the same number of
+    micro-batches; otherwise the stream starts over from the first document after the last (next pass).
     """
 
     def __init__(
@@ -100,93 +167,44 @@ class PackedTokenDataset(IterableDataset):
         documents: Iterable[str],
         tokenizer: Tokenizer,
         seq_len: int,
+        local_batch_size: int = 1,
         dp_rank: int = 0,
         dp_world_size: int = 1,
         infinite: bool = True,
+        label: str = "documents",
     ):
         if iter(documents) is documents:
             raise TypeError("documents must be re-iterable (e.g. a list), not a one-shot iterator")
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(
                 f"dp_rank must be in [0, {dp_world_size}) for dp_world_size={dp_world_size}, got {dp_rank}"
             )
-        self._documents = documents
-        self._tokenizer = tokenizer
-        self._seq_len = seq_len
-        self._dp_rank = dp_rank
-        self._dp_world_size = dp_world_size
-        self._infinite = infinite
-        self._state = self._initial_state()
+        self.documents = documents
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.infinite = infinite
+        self.label = label
+        self.start = StreamPosition()
+        # Token offsets, within a round, of this rank's windows: row m is window m * dp + dp_rank.
+        rows = np.arange(local_batch_size)[:, None] * dp_world_size + dp_rank
+        self._window_index = rows * seq_len + np.arange(seq_len + 1)[None, :]
 
-    @staticmethod
-    def _initial_state() -> dict:
-        # The stream resumes at token doc_offset of document doc_index (in epoch
-        # `epoch`), after the `carry` tokens already taken from earlier documents.
-        return {"epoch": 0, "doc_index": 0, "doc_offset": 0, "carry": [], "windows_seen": 0}
-
-    def state_dict(self) -> dict:
-        """Return the stream position after the last yielded window."""
-        return copy.deepcopy(self._state)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from a position returned by state_dict."""
-        missing = self._initial_state().keys() - state_dict.keys()
-        if missing:
-            raise ValueError(f"dataset state is missing keys {sorted(missing)}")
-        if state_dict["windows_seen"] % self._dp_world_size != 0:
-            raise ValueError(
-                f"dataset state with windows_seen={state_dict['windows_seen']} was saved with a different "
-                f"data-parallel degree than dp_world_size={self._dp_world_size}"
-            )
-        self._state = copy.deepcopy(state_dict)
-
-    def _global_windows(self) -> Iterator[tuple[list[int], dict]]:
-        """Yield every window of the global stream from the current state, with the state after it."""
-        state = copy.deepcopy(self._state)
-        epoch, doc_index, offset = state["epoch"], state["doc_index"], state["doc_offset"]
-        buf, windows_seen = state["carry"], state["windows_seen"]
-        window_len = self._seq_len + 1
-        while True:
-            for doc in itertools.islice(self._documents, doc_index, None):
-                tokens = self._tokenizer.encode(doc, bos=True, eos=True)
-                while len(buf) + len(tokens) - offset >= window_len:
-                    take = window_len - len(buf)
-                    window = buf + tokens[offset : offset + take]
-                    offset += take
-                    buf = window[-1:]
-                    windows_seen += 1
-                    after = {
-                        "epoch": epoch,
-                        "doc_index": doc_index,
-                        "doc_offset": offset,
-                        "carry": list(buf),
-                        "windows_seen": windows_seen,
-                    }
-                    yield window, after
-                buf = buf + tokens[offset:]
-                offset = 0
-                doc_index += 1
-            if not self._infinite:
-                return
-            if doc_index == 0:
-                raise ValueError("the dataset has no documents; cannot cycle through it")
-            epoch += 1
-            doc_index = 0
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
         worker = get_worker_info()
-        if worker is not None and worker.num_workers > 1:
-            raise ValueError(f"PackedTokenDataset supports num_workers <= 1, got num_workers={worker.num_workers}")
-        mine = None
-        for window, state in self._global_windows():
-            position_in_round = (state["windows_seen"] - 1) % self._dp_world_size
-            if position_in_round == self._dp_rank:
-                mine = window
-            if position_in_round == self._dp_world_size - 1:
-                self._state = state
-                tokens = torch.tensor(mine, dtype=torch.long)
-                yield tokens[:-1], tokens[1:]
-        # Only reached when finite: the next pass starts again from the first document.
-        self._state = self._initial_state()
+        worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        stream = _TokenStream(self.documents, self.tokenizer, self.start, self.infinite, self.label,
+                              log_epochs=worker_id == 0)
+        round_tokens = self.local_batch_size * self.dp_world_size * self.seq_len
+        for step in itertools.count():
+            tokens = stream.window(round_tokens)
+            if tokens is None:
+                return
+            if step % num_workers == worker_id:
+                windows = torch.from_numpy(tokens[self._window_index])
+                yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), stream.position().state_dict()

@@ -22,6 +22,8 @@ import sysconfig
 import tempfile
 import warnings
 
+from torchtitan.data.errors import DataError
+
 # Bump whenever the document extraction changes, so stale caches are not reused.
 FORMAT_VERSION = 1
 
@@ -142,7 +144,7 @@ def pydocs_corpus_path() -> pathlib.Path:
 def load_pydocs_documents(split: str = "train") -> list[str]:
     """Return the documents of one split ("train" or "validation") of the pydocs corpus."""
     if split not in SPLITS:
-        raise ValueError(f"unknown pydocs split {split!r}; valid splits are {list(SPLITS)}")
+        raise DataError(f"unknown pydocs split {split!r}; valid splits are {list(SPLITS)}")
     with pydocs_corpus_path().open(encoding="utf-8") as f:
         documents = [json.loads(line)["text"] for line in f]
     held_out = split == "validation"

@@ -1,14 +1,59 @@
-"""Tokenizer loading: turns a folder of tokenizer assets into a `Tokenizer`."""
+"""Tokenizers behind one interface, loaded from a folder of tokenizer assets.
+
+Two file formats are understood, picked by the files present in the folder (the first usable one):
+
+* ``tokenizer.model``: a tiktoken BPE file in Llama 3's format, one ``base64(token bytes) rank`` per
+  line, read with Llama 3's pre-tokenizer pattern. Its special tokens are not in the file: they come
+  from ``added_tokens_decoder`` in ``tokenizer_config.json`` when the folder has one, otherwise they are
+  Llama 3's 256 special tokens numbered after the last BPE rank (128000..128255 for Llama 3 itself).
+  A tokenizer.model in another format (e.g. SentencePiece) is passed over.
+* ``tokenizer.json``: a Hugging Face ``tokenizers`` file (any model it supports).
+
+``tokenizer_config.json`` may also name the BOS/EOS/PAD tokens (Llama 3's names are the default).
+Both formats encode special-token strings that occur in text as ordinary text, so a document can
+never forge a document boundary: BOS/EOS ids appear only where the caller asks for them.
+"""
 
 from __future__ import annotations
 
+import abc
+import base64
 import json
 import pathlib
+import re
 from collections.abc import Callable, Sequence
 
+import tiktoken
 import tokenizers
 
-# Llama 3 names, used when the folder has no tokenizer_config.json (or it omits them).
+# Llama 3's pre-tokenizer: contractions, letter runs (with one leading non-letter), digit groups of at
+# most three, punctuation runs, newlines and other whitespace. Both formats use it for our tokenizer.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+
+# Llama 3's special tokens in id order (3.1 names; the ids that matter, 128000/1/6/7/9, match 3.0).
+_LLAMA3_NAMED_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED_SPECIALS + [
+    f"<|reserved_special_token_{i}|>" for i in range(2, 2 + LLAMA3_NUM_SPECIAL_TOKENS - len(_LLAMA3_NAMED_SPECIALS))
+]
+
+# Used when the folder has no tokenizer_config.json, or it omits them.
 DEFAULT_SPECIAL_TOKENS = {
     "bos_token": "<|begin_of_text|>",
     "eos_token": "<|end_of_text|>",
@@ -16,55 +61,42 @@ DEFAULT_SPECIAL_TOKENS = {
 }
 
 
-class Tokenizer:
-    """Text <-> token ids, backed by a Hugging Face `tokenizers.Tokenizer`.
+class Tokenizer(abc.ABC):
+    """Text <-> token ids; BOS/EOS are added only when asked for."""
 
-    BOS/EOS are added only when asked for, never by the underlying tokenizer's
-    post-processor. Special-token strings that occur inside text are encoded as
-    ordinary text, so a document cannot forge a document boundary.
-    """
+    def __init__(self, token_ids: dict[str, int], bos_token: str, eos_token: str, pad_token: str | None):
+        def require(token: str, role: str) -> int:
+            if token not in token_ids:
+                raise ValueError(f"{role} {token!r} is not in the tokenizer's vocabulary")
+            return token_ids[token]
 
-    def __init__(
-        self,
-        tokenizer: tokenizers.Tokenizer,
-        bos_token: str,
-        eos_token: str,
-        pad_token: str | None = None,
-    ):
-        self._tokenizer = tokenizer
-        self._tokenizer.encode_special_tokens = True
-        self._bos_id = self._require_id(bos_token, "bos_token")
-        self._eos_id = self._require_id(eos_token, "eos_token")
-        self._pad_id = None if pad_token is None else self._require_id(pad_token, "pad_token")
+        self._bos_id = require(bos_token, "bos_token")
+        self._eos_id = require(eos_token, "eos_token")
+        self._pad_id = None if pad_token is None else require(pad_token, "pad_token")
 
-    def _require_id(self, token: str, role: str) -> int:
-        token_id = self._tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"{role} {token!r} is not in the tokenizer's vocabulary")
-        return token_id
+    @abc.abstractmethod
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, special-token strings treated as plain text."""
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        # The flag is not part of the pickled tokenizer, so copies sent to
-        # dataloader worker processes would otherwise lose it.
-        self._tokenizer.encode_special_tokens = True
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode token ids to text; special tokens are kept, so decode inverts encode."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, special tokens included."""
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Encode text to token ids, optionally prefixed with BOS and suffixed with EOS."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return self._wrap(ids, bos, eos)
+        return self._wrap(self._encode_texts([text])[0], bos, eos)
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
-        """Encode several texts at once (in parallel); same result as encode on each."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [self._wrap(e.ids, bos, eos) for e in encodings]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Decode token ids to text; special tokens are kept, so decode inverts encode."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        """Encode several texts at once (in parallel where the backend can); same result as encode on each."""
+        return [self._wrap(ids, bos, eos) for ids in self._encode_texts(list(texts))]
 
     @property
     def bos_id(self) -> int:
@@ -81,45 +113,150 @@ class Tokenizer:
         """Id of the padding token, or None if the tokenizer has none."""
         return self._pad_id
 
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (tokenizer.json); its post-processor is never applied."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, bos_token: str, eos_token: str, pad_token: str | None = None):
+        self._tokenizer = tokenizer
+        self._tokenizer.encode_special_tokens = True
+        super().__init__(tokenizer.get_vocab(with_added_tokens=True), bos_token, eos_token, pad_token)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # The flag is not part of the pickled tokenizer, so copies sent to
+        # dataloader worker processes would otherwise lose it.
+        self._tokenizer.encode_special_tokens = True
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        if len(texts) == 1:
+            return [self._tokenizer.encode(texts[0], add_special_tokens=False).ids]
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, special tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def _special_token_names(folder: pathlib.Path) -> dict[str, str | None]:
-    names = dict(DEFAULT_SPECIAL_TOKENS)
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken BPE (Llama 3's tokenizer.model format) with the Llama 3 pre-tokenizer pattern."""
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        special_tokens: dict[str, int],
+        bos_token: str,
+        eos_token: str,
+        pad_token: str | None = None,
+        name: str = "tokenizer.model",
+    ):
+        self._encoding = tiktoken.Encoding(
+            name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
+        )
+        self._vocab_size = len(ranks) + len(special_tokens)
+        super().__init__(special_tokens, bos_token, eos_token, pad_token)
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        # encode_ordinary never matches special tokens: their strings stay text.
+        if len(texts) == 1:
+            return [self._encoding.encode_ordinary(texts[0])]
+        return self._encoding.encode_ordinary_batch(texts)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode(list(ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+
+def read_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:
+    """Read a tiktoken BPE file: one ``base64(token bytes) rank`` per non-empty line."""
+    ranks = {}
+    with path.open("rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise ValueError(
+                    f"{path}: line {line_number} is not 'base64(token bytes) rank': {line[:80]!r}"
+                ) from None
+    if len(set(ranks.values())) != len(ranks):
+        raise ValueError(f"{path}: two tokens share a rank; every rank must be unique")
+    return ranks
+
+
+def _read_config(folder: pathlib.Path) -> dict:
     config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        for key in names:
-            value = config.get(key)
-            # HF configs store a token either as its string or as an AddedToken dict.
-            if isinstance(value, dict):
-                value = value.get("content")
-            if value is not None:
-                names[key] = value
+    return json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+
+
+def _special_token_names(config: dict) -> dict[str, str | None]:
+    names = dict(DEFAULT_SPECIAL_TOKENS)
+    for key in names:
+        value = config.get(key)
+        # HF configs store a token either as its string or as an AddedToken dict.
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None:
+            names[key] = value
     return names
 
 
-def _load_tokenizer_json(path: pathlib.Path, special_tokens: dict[str, str | None]) -> Tokenizer:
-    return Tokenizer(tokenizers.Tokenizer.from_file(str(path)), **special_tokens)
+def _load_tokenizer_json(folder: pathlib.Path, config: dict) -> Tokenizer:
+    return HFTokenizer(tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")), **_special_token_names(config))
 
 
-# Tokenizer files by order of preference, each with its loader; new formats are added here.
-_TOKENIZER_FORMATS: dict[str, Callable[[pathlib.Path, dict[str, str | None]], Tokenizer]] = {
+def _load_tokenizer_model(folder: pathlib.Path, config: dict) -> Tokenizer:
+    path = folder / "tokenizer.model"
+    ranks = read_tiktoken_ranks(path)
+    added = config.get("added_tokens_decoder")
+    if added:
+        special_tokens = {entry["content"]: int(token_id) for token_id, entry in added.items()}
+    else:
+        first = max(ranks.values()) + 1
+        special_tokens = {token: first + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    clash = set(special_tokens.values()) & set(ranks.values())
+    if clash:
+        raise ValueError(f"{path}: special token ids {sorted(clash)[:5]} are also BPE ranks")
+    return TiktokenTokenizer(ranks, special_tokens, name=str(path), **_special_token_names(config))
+
+
+def is_tiktoken_file(path: pathlib.Path) -> bool:
+    """Whether a tokenizer.model holds tiktoken ranks (Llama 3) rather than, e.g., a SentencePiece model."""
+    with path.open("rb") as f:
+        fields = f.readline(4096).split()
+    return len(fields) == 2 and fields[1].isdigit() and re.fullmatch(rb"[A-Za-z0-9+/]+=*", fields[0]) is not None
+
+
+# Tokenizer files by order of preference (tiktoken encodes about 3x faster), each with its loader.
+TOKENIZER_FORMATS: dict[str, Callable[[pathlib.Path, dict], Tokenizer]] = {
+    "tokenizer.model": _load_tokenizer_model,
     "tokenizer.json": _load_tokenizer_json,
 }
 
 
-def build_tokenizer(hf_assets_path: str) -> Tokenizer:
-    """Load the tokenizer stored in the folder hf_assets_path (e.g. assets/tokenizer)."""
+def build_tokenizer(hf_assets_path: str, file_name: str | None = None) -> Tokenizer:
+    """Load the tokenizer in the folder hf_assets_path: file_name, or the first usable format present."""
     folder = pathlib.Path(hf_assets_path)
-    expected = ", ".join(_TOKENIZER_FORMATS)
+    expected = ", ".join(TOKENIZER_FORMATS)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist; expected a folder with: {expected}")
-    for file_name, load in _TOKENIZER_FORMATS.items():
-        path = folder / file_name
-        if path.is_file():
-            return load(path, _special_token_names(folder))
-    raise FileNotFoundError(f"no tokenizer file in {str(folder)!r}; looked for: {expected}")
+    if file_name is not None and file_name not in TOKENIZER_FORMATS:
+        raise ValueError(f"unknown tokenizer file {file_name!r}; valid: {expected}")
+    for name, load in TOKENIZER_FORMATS.items():
+        path = folder / name
+        if file_name not in (None, name) or not path.is_file():
+            continue
+        if name == "tokenizer.model" and not is_tiktoken_file(path):
+            if file_name is None:
+                continue  # e.g. a SentencePiece model next to the tokenizer.json that describes it
+            raise ValueError(f"{path} is not a tiktoken BPE file ('base64(token bytes) rank' lines)")
+        return load(folder, _read_config(folder))
+    raise FileNotFoundError(f"no usable tokenizer file in {str(folder)!r}; looked for: {file_name or expected}")

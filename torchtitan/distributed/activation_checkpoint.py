@@ -1,17 +1,53 @@
-"""Activation checkpointing of the blocks under ``model.layers``."""
+"""Activation checkpointing of the blocks under ``model.layers``.
 
+Modes: "full" recomputes every block in backward; "selective" with an integer N recomputes every
+N-th block; "selective" with "op" keeps the outputs of attention and of every second matmul in each
+block and recomputes the rest (cheap element-wise ops and the other matmuls).
+"""
+
+from collections import defaultdict
+from functools import partial
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_ATTENTION_OPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+_MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _op_policy():
+    """Save attention outputs and every second matmul output; recompute everything else."""
+    matmuls_seen = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMUL_OPS:
+            # Count forward and recompute separately so both passes make the same choices.
+            key = "recompute" if ctx.is_recompute else "forward"
+            matmuls_seen[key] += 1
+            if matmuls_seen[key] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str, preserve_rng_state: bool) -> None:
-    """Recompute block activations in backward: every block ("full") or every N-th ("selective")."""
     if mode == "none":
         return
-    if mode == "selective" and selective_ac_option == "op":
-        raise NotImplementedError("activation_checkpoint.selective_ac_option = 'op' is not available yet")
-    every = 1 if mode == "full" else int(selective_ac_option)
+    per_op = mode == "selective" and selective_ac_option == "op"
+    every = 1 if mode == "full" or per_op else int(selective_ac_option)
     for index, (name, block) in enumerate(list(model.layers.items())):
-        if index % every == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, use_reentrant=False)
-            model.layers.register_module(name, wrapped)
+        if index % every:
+            continue
+        kwargs = {"context_fn": _op_policy} if per_op else {}
+        wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, use_reentrant=False, **kwargs)
+        model.layers.register_module(name, wrapped)

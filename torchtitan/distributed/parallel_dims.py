@@ -43,6 +43,11 @@ class ParallelDims:
         assert others * dp_shard == world_size, f"unvalidated parallel degrees {dims}"
         return dims
 
+    def layout(self) -> dict:
+        """The degrees as a plain dict (for logs and provenance)."""
+        return {"world_size": self.world_size, "pp": self.pp, "dp_replicate": self.dp_replicate,
+                "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""

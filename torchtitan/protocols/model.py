@@ -22,6 +22,10 @@ class BaseModelArgs:
         """Problems with these args as (field, reason) pairs; empty when the args are usable."""
         return []
 
+    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
+        """Problems splitting this model over ``tp`` tensor-parallel ranks, as (field, reason) pairs."""
+        return []
+
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token."""
         return 6.0 * num_params_without_embedding

@@ -62,6 +62,14 @@ class Llama3ModelArgs(BaseModelArgs):
             problems.append(("n_kv_heads", f"{self.kv_heads} does not divide n_heads={self.n_heads}"))
         return problems
 
+    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
+        # Each rank holds whole attention heads (query and key/value alike).
+        return [
+            (name, f"{value} is not divisible by the tensor-parallel degree {tp}")
+            for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads))
+            if value % tp
+        ]
+
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
         # 6 FLOPs per weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
         # attention scores and weighted values (forward + backward, causal mask not discounted).

@@ -1,0 +1,101 @@
+"""Tokens/s the data pipeline alone delivers to one rank, against what the trainer consumes on the debug model.
+
+    python benchmarks/data_pipeline.py [--trainer-tps N | --trainer-steps 8] [--output benchmarks/data_pipeline.md]
+
+The pipeline is measured as the trainer uses it (debug preset: pydocs, seq_len 2048, local batch 8):
+rank 0's loader for each tokenizer format, worker count and data-parallel degree. Every rank tokenizes
+the whole global stream and keeps 1/dp of it, so what one rank receives falls with dp; the ratio
+column compares it with the trainer's tokens/s per device, which must stay below 1/20 of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from torchtitan.data import build_dataloader, build_tokenizer, load_pydocs_documents  # noqa: E402
+
+SEQ_LEN, LOCAL_BATCH = 2048, 8
+REQUIRED_RATIO = 20
+
+
+def pipeline_tps(tokenizer_file: str, num_workers: int, dp: int, batches: int) -> tuple[float, float]:
+    """(seconds to the first batch, steady tokens/s after it) of rank 0's loader."""
+    tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"), tokenizer_file)
+    loader = build_dataloader(tokenizer, dataset="pydocs", dataset_path=None, seq_len=SEQ_LEN,
+                              local_batch_size=LOCAL_BATCH, dp_rank=0, dp_world_size=dp, num_workers=num_workers)
+    start = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - start
+    start, tokens = time.perf_counter(), 0
+    for _ in range(batches):
+        inputs, _ = next(it)
+        tokens += inputs.numel()
+    return first, tokens / (time.perf_counter() - start)
+
+
+def trainer_tps(steps: int) -> float:
+    """Median tokens/s per device of the debug preset over steps 2..steps (step 1 includes warm-up)."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-m", "torchtitan.train", "--job.config_file", "train_configs/debug_model.toml",
+                        "--training.steps", str(steps), "--metrics.log_freq", "1", f"--job.dump_folder={out}"],
+                       cwd=REPO, check=True, capture_output=True)
+        rows = [json.loads(line) for line in (pathlib.Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(row["tps"] for row in rows if row["step"] >= 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the table (and write it to --output); exit 1 if a configuration misses the 20x margin."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainer-tps", type=float, help="trainer tokens/s per device (default: measure it)")
+    parser.add_argument("--trainer-steps", type=int, default=8, help="steps of the debug preset to measure")
+    parser.add_argument("--batches", type=int, default=60, help="batches timed per configuration")
+    parser.add_argument("--output", type=pathlib.Path, help="also write the table to this markdown file")
+    args = parser.parse_args(argv)
+
+    load_pydocs_documents("train")  # build the corpus cache outside the timings
+    consumed = args.trainer_tps or trainer_tps(args.trainer_steps)
+    lines = [
+        "# Data pipeline throughput",
+        "",
+        f"`python benchmarks/data_pipeline.py` on {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}; pydocs, seq_len {SEQ_LEN}, local batch {LOCAL_BATCH}, rank 0's loader.",
+        "",
+        f"Trainer, debug model (1 process): {consumed:,.0f} tokens/s per device.",
+        "",
+        "| tokenizer file | workers | dp | first batch (s) | tokens/s to this rank | x trainer |",
+        "|---|---|---|---|---|---|",
+    ]
+    worst = float("inf")
+    for tokenizer_file in ("tokenizer.model", "tokenizer.json"):
+        for num_workers in (0, 2):
+            for dp in (1, 4):
+                first, delivered = pipeline_tps(tokenizer_file, num_workers, dp, args.batches // dp)
+                worst = min(worst, delivered / consumed)
+                lines.append(f"| {tokenizer_file} | {num_workers} | {dp} | {first:.2f} | {delivered:,.0f} | "
+                             f"{delivered / consumed:.0f}x |")
+                print(lines[-1], flush=True)
+    lines += ["", f"Lowest margin: {worst:.0f}x (required: {REQUIRED_RATIO}x)."]
+    table = "\n".join(lines)
+    print(table)
+    if args.output:
+        args.output.write_text(table + "\n")
+    return 0 if worst >= REQUIRED_RATIO else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

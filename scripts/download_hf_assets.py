@@ -1,0 +1,72 @@
+"""Download a Hugging Face hub model's tokenizer, config and/or safetensors weights for training.
+
+    python scripts/download_hf_assets.py meta-llama/Meta-Llama-3.1-8B --assets tokenizer [config safetensors]
+        [--local-dir assets/hf/Meta-Llama-3.1-8B] [--revision main] [--hf-token TOKEN]
+
+Point ``model.hf_assets_path`` at the folder it prints. Gated repositories (e.g. meta-llama) need a
+token: ``--hf-token`` or the HF_TOKEN environment variable, from an account that accepted the license.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+# The files each asset kind consists of, as hub file patterns.
+ASSET_PATTERNS = {
+    "tokenizer": ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"],
+    "config": ["config.json", "generation_config.json"],
+    "safetensors": ["*.safetensors", "model.safetensors.index.json"],
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: a repository id and what to fetch."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("repo_id", help="hub repository, e.g. meta-llama/Meta-Llama-3.1-8B")
+    parser.add_argument("--assets", nargs="+", choices=sorted(ASSET_PATTERNS), default=["tokenizer"],
+                        help="what to download (default: tokenizer)")
+    parser.add_argument("--local-dir", type=pathlib.Path, help="destination (default: assets/hf/<repository name>)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    parser.add_argument("--hf-token", default=None, help="access token for gated repos (default: $HF_TOKEN)")
+    args = parser.parse_args(argv)
+    if args.repo_id.count("/") != 1 or not all(args.repo_id.split("/")):
+        parser.error(f"repo_id {args.repo_id!r} is invalid; expected 'owner/name'")
+    if args.local_dir is None:
+        args.local_dir = pathlib.Path("assets/hf") / args.repo_id.split("/")[1]
+    return args
+
+
+def download(repo_id: str, assets: list[str], local_dir: pathlib.Path, revision: str | None,
+             token: str | None) -> list[str]:
+    """Download the asset files of repo_id into local_dir; return the files fetched."""
+    from huggingface_hub import snapshot_download
+
+    patterns = [pattern for asset in assets for pattern in ASSET_PATTERNS[asset]]
+    snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_dir=local_dir, token=token)
+    return sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*")
+                  if p.is_file() and ".cache" not in p.relative_to(local_dir).parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Download, then print the folder to use as model.hf_assets_path; one-line error and exit 1 on failure."""
+    args = parse_args(argv)
+    try:
+        files = download(args.repo_id, args.assets, args.local_dir, args.revision, args.hf_token)
+    except Exception as e:  # network, authentication, unknown repo: all need the same one-line report
+        reason = (str(e).strip().splitlines() or [""])[0]
+        print(f"error: cannot download {', '.join(args.assets)} of {args.repo_id!r} from the Hugging Face hub: "
+              f"{type(e).__name__}: {reason} (check the network, HF_HUB_OFFLINE, and HF_TOKEN for gated repos)",
+              file=sys.stderr)
+        return 1
+    if not files:
+        print(f"error: {args.repo_id!r} has no files for {', '.join(args.assets)}", file=sys.stderr)
+        return 1
+    print(f"downloaded {len(files)} files to {args.local_dir}: {', '.join(files)}")
+    print(f"use: --model.hf_assets_path {args.local_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Peak FLOP/s of one device, for MFU: a table for known GPUs, a measured calibration on CPU.
+
+A device we know nothing about gets no peak (MFU is not reported) rather than another device's.
+"""
+
+import fcntl
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.log import logger
+
+# Dense (no sparsity) peak TFLOP/s from vendors' data sheets, by compute dtype.
+# Longest names first: "H100 PCIe" must match before "H100".
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0},
+    "H100 NVL": {"bfloat16": 835.0, "float16": 835.0, "float32": 60.0},
+    "H100": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "H800": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "GH200": {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+    "B200": {"bfloat16": 2250.0, "float16": 2250.0, "float32": 80.0},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "A800": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.0, "float16": 362.0, "float32": 91.6},
+    "A10G": {"bfloat16": 70.0, "float16": 70.0, "float32": 31.2},
+    "MI300X": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
+    "MI325X": {"bfloat16": 1307.0, "float16": 1307.0, "float32": 163.4},
+    "MI250X": {"bfloat16": 383.0, "float16": 383.0, "float32": 95.7},
+}
+
+CALIBRATION_SIZES = (1024, 2048, 4096)
+CALIBRATION_VERSION = 1
+
+
+def gpu_peak_tflops(device_name: str, dtype: str) -> float | None:
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in device_name:
+            return GPU_PEAK_TFLOPS[key].get(dtype)
+    return None
+
+
+def measure_matmul_tflops(dtype: torch.dtype, threads: int, seconds_per_size: float = 0.3) -> float:
+    """Best square-matmul throughput over a few sizes, with ``threads`` intra-op threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = 0.0
+        for n in CALIBRATION_SIZES:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            a @ b  # warm-up: kernel selection and page faults
+            start, count = time.perf_counter(), 0
+            while time.perf_counter() - start < seconds_per_size:
+                a @ b
+                count += 1
+            best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+        return best / 1e12
+    finally:
+        torch.set_num_threads(previous)
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, as the OS reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("TORCHTITAN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(root) / "torchtitan" / "cpu_peak_tflops.json"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:
+    """Matmul peak of the whole machine (all cores) in ``dtype``, measured once and cached.
+
+    A file lock makes concurrent ranks wait for one measurement instead of all measuring at once
+    (and slowing each other down).
+    """
+    cores = usable_cores()
+    key = f"v{CALIBRATION_VERSION}|{cpu_model()}|{cores} cores|torch {torch.__version__}|{dtype}"
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        if key not in cache:
+            cache[key] = measure_matmul_tflops(dtype, cores)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+            logger.info(f"measured CPU {dtype} matmul peak: {cache[key]:.3f} TFLOP/s on {cores} cores (cached in {path})")
+        return cache[key]
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
+    """Peak TFLOP/s available to this process in ``dtype``; None when it cannot be known."""
+    if override is not None:
+        return override
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak_tflops(name, dtype_name)
+        if peak is None:
+            logger.warning(f"no peak FLOP/s known for '{name}' in {dtype_name}: MFU is not reported; "
+                           f"set metrics.peak_tflops to enable it")
+        return peak
+    if device.type == "cpu":
+        # The machine's peak scaled to the share of cores this process computes with.
+        cores = usable_cores()
+        return cpu_machine_peak_tflops(dtype) * min(torch.get_num_threads(), cores) / cores
+    logger.warning(f"no peak FLOP/s known for device '{device.type}': MFU is not reported; "
+                   f"set metrics.peak_tflops to enable it")
+    return None

@@ -1,0 +1,206 @@
+"""Where documents come from: registered datasets (pydocs, HF hub datasets) and local files.
+
+A document source is a re-iterable of strings in a fixed order. Hub datasets and local files
+(``training.dataset_path``) are read by the same code, ``datasets.load_dataset(..., streaming=True)``,
+so the local-file tests exercise the path that streams from the hub on a connected machine.
+
+Bad data raises `DataError` with one line naming the file (or hub dataset) and the row, counted from 0.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import pathlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from torchtitan.data.errors import DataError
+from torchtitan.data.pydocs import load_pydocs_documents
+
+DocumentLoader = Callable[[str], Iterable[str]]
+
+_DATASETS: dict[str, DocumentLoader] = {}
+
+# File suffix -> the `datasets` builder that reads it; json, jsonl and txt may also be gzipped (.gz).
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+_COMPRESSIBLE = (".jsonl", ".json", ".txt")
+
+# Rows fetched per read; large enough to amortise the per-batch overhead of `datasets`.
+_ROWS_PER_READ = 1024
+
+
+def register_dataset(name: str, loader_fn: DocumentLoader) -> None:
+    """Register (or replace) a dataset: loader_fn(split) returns that split's documents, re-iterable."""
+    _DATASETS[name] = loader_fn
+
+
+def registered_datasets() -> list[str]:
+    """Return the names of the registered datasets, sorted."""
+    return sorted(_DATASETS)
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _quiet_datasets_errors() -> None:
+    # `datasets` logs its own copy of a read error before raising it; ours names the file and row.
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
+
+
+def _stream_texts(
+    open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], int | None]
+) -> Iterator[str]:
+    """Yield the text column of a streamed `datasets` dataset row by row, turning bad data into DataError."""
+    _quiet_datasets_errors()
+    row = 0
+    try:
+        for rows in open_dataset().iter(batch_size=_ROWS_PER_READ):
+            if text_column not in rows:
+                raise DataError(
+                    f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(sorted(rows))}); "
+                    f"set dataset_text_column"
+                )
+            for text in rows[text_column]:
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{where}: row {row}: column {text_column!r} holds {type(text).__name__} {text!r:.40}, "
+                        f"not text"
+                    )
+                yield text
+                row += 1
+    except DataError:
+        raise
+    except Exception as e:  # whatever the reader raises, the user needs the file and row
+        bad_row = locate_bad_row()
+        raise DataError(f"{where}: row {row if bad_row is None else bad_row}: cannot read: {_one_line(e)}") from None
+
+
+def _first_bad_json_line(path: pathlib.Path) -> int | None:
+    """Index of the first line of a JSON-lines file that is not a JSON object (readers report blocks, not lines)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            for index, line in enumerate(f):
+                try:
+                    if line.strip() and not isinstance(json.loads(line), dict):
+                        return index
+                except ValueError:  # bad JSON or bad UTF-8
+                    return index
+    except OSError:
+        pass
+    return None
+
+
+def _data_suffix(path: pathlib.Path) -> str | None:
+    suffixes = path.suffixes[-2:]
+    if suffixes and suffixes[-1] == ".gz":
+        return suffixes[0] if len(suffixes) == 2 and suffixes[0] in _COMPRESSIBLE else None
+    return path.suffix if path.suffix in FILE_BUILDERS else None
+
+
+def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
+    """The data files of a dataset_path: the file itself, or a folder's files of known types in sorted order."""
+    root = pathlib.Path(path)
+    valid = ", ".join([*FILE_BUILDERS, *(s + ".gz" for s in _COMPRESSIBLE)])
+    if root.is_file():
+        if _data_suffix(root) is None:
+            raise DataError(f"dataset_path {str(root)!r} has an unsupported file type; valid: {valid}")
+        return [root]
+    if not root.is_dir():
+        raise DataError(f"dataset_path {str(root)!r} does not exist")
+    # Sorting relative paths (not walk order) keeps the document order independent of the filesystem.
+    files = sorted(
+        (p for p in root.rglob("*") if p.is_file() and _data_suffix(p) is not None
+         and not any(part.startswith(".") for part in p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).parts,
+    )
+    if not files:
+        raise DataError(f"dataset_path {str(root)!r} holds no data files; valid types: {valid}")
+    return files
+
+
+class LocalFiles:
+    """Documents of local files (one row each), read file after file in sorted order on every iteration."""
+
+    def __init__(self, path: str | pathlib.Path, text_column: str = "text"):
+        self.files = data_files(path)
+        self.text_column = text_column
+
+    def __iter__(self) -> Iterator[str]:
+        import datasets
+
+        for path in self.files:
+            suffix = _data_suffix(path)
+
+            def open_file(path=path, builder=FILE_BUILDERS[suffix]):
+                return datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
+
+            def locate(path=path, suffix=suffix):
+                return _first_bad_json_line(path) if suffix == ".jsonl" else None
+
+            yield from _stream_texts(open_file, str(path), self.text_column, locate)
+
+
+@dataclass(frozen=True)
+class HubDocuments:
+    """Documents of one split of a Hugging Face hub dataset, streamed (nothing is downloaded up front)."""
+
+    path: str
+    config: str | None
+    split: str
+    text_column: str = "text"
+
+    def __iter__(self) -> Iterator[str]:
+        import datasets
+
+        where = f"hub dataset {self.path} ({self.config}, split {self.split})"
+        try:
+            dataset = datasets.load_dataset(self.path, self.config, split=self.split, streaming=True)
+        except Exception as e:  # offline, unknown repo, gated without a token, ...
+            raise DataError(
+                f"{where}: cannot open: {_one_line(e)}; check the network and HF_TOKEN, "
+                f"or set training.dataset_path to a local copy"
+            ) from None
+        yield from _stream_texts(lambda: dataset, where, self.text_column, lambda: None)
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A registered hub dataset: repository, config and our split names mapped to the hub's."""
+
+    path: str
+    config: str | None
+    splits: dict[str, str]
+
+    def __call__(self, split: str) -> HubDocuments:
+        if split not in self.splits:
+            raise DataError(f"hub dataset {self.path} has no {split!r} split here; valid: {', '.join(self.splits)}")
+        return HubDocuments(self.path, self.config, self.splits[split])
+
+
+HUB_DATASETS = {
+    "c4": HubDataset("allenai/c4", "en", {"train": "train", "validation": "validation"}),
+    # C4's validation split under its own name, for validation.dataset (or training on it).
+    "c4_validation": HubDataset("allenai/c4", "en", {"train": "validation", "validation": "validation"}),
+    "fineweb-edu": HubDataset("HuggingFaceFW/fineweb-edu", "sample-10BT", {"train": "train"}),
+    "wikitext-103": HubDataset(
+        "Salesforce/wikitext", "wikitext-103-raw-v1", {"train": "train", "validation": "validation", "test": "test"}
+    ),
+}
+
+register_dataset("pydocs", load_pydocs_documents)
+for _name, _dataset in HUB_DATASETS.items():
+    register_dataset(_name, _dataset)
+
+
+def load_documents(dataset: str, dataset_path: str | None, split: str, text_column: str = "text") -> Iterable[str]:
+    """The documents of a split: the local dataset_path if given (it has no splits), else the registered dataset."""
+    if dataset_path is not None:
+        return LocalFiles(dataset_path, text_column)
+    if dataset not in _DATASETS:
+        raise DataError(f"unknown dataset {dataset!r}; registered datasets: {', '.join(registered_datasets())}")
+    return _DATASETS[dataset](split)
