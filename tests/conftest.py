@@ -15,6 +15,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 # `datasets` leaves a lock file per data file read in its cache; keep the tests' out of the user's cache.
 _DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="torchtitan-tests-datasets-")
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
+# One inductor cache for every compiling test process, kept between runs: compiling is the slow part.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchtitan-tests-inductor"))
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.profiling import Profiler
@@ -121,7 +122,16 @@ class Trainer:
         )
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device)
-        self.step = 0
+        self.data_iterator = None  # created on first use, after any dataloader state is restored
+
+        # Checkpoints: resume from the latest one of this run, if any.
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
+            self.dataloader, self.train_state, self.device,
+            state_dict_adapter=spec.state_dict_adapter(self.model_args) if spec.state_dict_adapter else None,
+        )
+        self.checkpointer.load()
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
 
@@ -157,33 +167,36 @@ class Trainer:
         self.lr_scheduler.step()
         return sum_over(step_loss, self.loss_mesh), grad_norm
 
+    @property
+    def step(self) -> int:
+        return self.train_state.step
+
     def train(self) -> None:
         cfg = self.cfg.training
-        data = iter(self.dataloader)
+        if self.step >= cfg.steps:
+            logger.info(f"the run already reached step {self.step} of {cfg.steps}; nothing to train")
+            return
+        if self.data_iterator is None:
+            self.data_iterator = iter(self.dataloader)
         profiler = Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device)
         gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
         try:
             for step in range(self.step + 1, cfg.steps + 1):
-                self.step = step
                 if step % cfg.gc_freq == 0:
                     gc.collect(1)
                 lr = self.lr_scheduler.get_last_lr()[0]
                 data_start = time.perf_counter()
-                microbatches = [next(data) for _ in range(self.grad_accum_steps)]
+                microbatches = [next(self.data_iterator) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - data_start
                 loss, grad_norm = self.train_step(microbatches)
+                self.train_state.step = step
+                self.train_state.tokens_seen += round(self.tokens_per_device * self.parallel_dims.world_size)
                 profiler.step(step)
                 self.metrics.record_step(step, self.tokens_per_device, data_seconds)
-                loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-                if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                    raise TrainingError(
-                        f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
-                        f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
-                    )
-                if self.metrics.should_log(step, cfg.steps):
-                    self.metrics.log(step, loss_value, norm_value, lr)
-                if self.validator is not None and self.validator.should_validate(step):
-                    self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+                self._check_and_log(step, loss, grad_norm, lr)
+                self.checkpointer.poll()
+                if self.checkpointer.should_save(step, cfg.steps):
+                    self.checkpointer.save(step, cfg.steps)
                 if step == 1:
                     device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
         finally:
@@ -191,7 +204,20 @@ class Trainer:
             profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")
 
+    def _check_and_log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            raise TrainingError(
+                f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
+                f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
+            )
+        if self.metrics.should_log(step, self.cfg.training.steps):
+            self.metrics.log(step, loss_value, norm_value, lr)
+        if self.validator is not None and self.validator.should_validate(step):
+            self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 
@@ -233,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except (TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
+            # Tear down together: a rank that leaves while another still talks to it aborts that one.
+            dist.barrier()
             dist.destroy_process_group()
     return 0
 

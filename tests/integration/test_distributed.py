@@ -1,4 +1,4 @@
-"""Data-parallel layouts on CPU/gloo train the same numbers as a single process (fp32)."""
+"""Parallel layouts on CPU/gloo train the same numbers as a single process (fp32, 6 steps, global batch 8)."""
 
 import json
 
@@ -6,9 +6,27 @@ import pytest
 
 from tests.conftest import run_command, run_module
 
-COMMON = ["--job.config_file", "train_configs/tiny.toml", "--training.mixed_precision_param", "float32",
-          "--training.steps", "6", "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600",
-          "--comm.train_timeout_seconds", "600"]
+# The debug model at a short sequence keeps these multi-process runs to seconds per step.
+COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "6",
+          "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+CONFIG = "train_configs/debug_model.toml"
+
+LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+    "ddp2": (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "hsdp2x2": (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "fsdp2_accum2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]),
+    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "tp2_no_loss_parallel": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                                 "--parallelism.disable_loss_parallel"]),
+    "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
+    "tp2_compile_loss": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                             "--compile.enable", "--compile.components", "loss",
+                             "--parallelism.disable_loss_parallel"]),
+    "fsdp2_selective_op_ac": (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                                  "--activation_checkpoint.selective_ac_option", "op"]),
+}
 
 
 def read_rows(folder):
@@ -17,30 +35,35 @@ def read_rows(folder):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Single process, global batch 8."""
+    """Single process, local batch 8."""
     out = tmp_path_factory.mktemp("single")
-    result = run_module("torchtitan.train", *COMMON, "--training.local_batch_size", "8", f"--job.dump_folder={out}")
+    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
+                        f"--job.dump_folder={out}")
     assert result.returncode == 0, result.stderr
     return read_rows(out)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "nproc,flags",
-    [
-        (2, ["--training.local_batch_size", "4"]),  # FSDP 2
-        (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"]),  # DDP 2
-        (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"]),  # HSDP 2x2
-        (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]),  # FSDP 2 + accumulation
-    ],
-    ids=["fsdp2", "ddp2", "hsdp2x2", "fsdp2_accum2"],
-)
-def test_data_parallel_matches_single_process(tmp_path, reference, nproc, flags):
-    result = run_command(["./run_train.sh", *COMMON[2:], *flags, f"--job.dump_folder={tmp_path}"],
-                         env={"NGPU": str(nproc), "CONFIG_FILE": "train_configs/tiny.toml"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = read_rows(tmp_path)
+def assert_matches(rows, reference):
     assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 7))
     for ours, ref in zip(rows, reference):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
+    assert rows[-1]["loss"] < rows[0]["loss"]  # it trains, so the comparison is not between constants
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(tmp_path, reference, layout):
+    nproc, flags = LAYOUTS[layout]
+    result = run_command(["./run_train.sh", *COMMON, *flags, f"--job.dump_folder={tmp_path}"],
+                         env={"NGPU": str(nproc), "CONFIG_FILE": CONFIG})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_matches(read_rows(tmp_path), reference)
+
+
+@pytest.mark.slow
+def test_compile_alone_matches_eager(tmp_path, reference):
+    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
+                        "--compile.enable", f"--job.dump_folder={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_matches(read_rows(tmp_path), reference)

@@ -104,6 +104,32 @@ def test_world_size_must_match_the_parallel_degrees():
         validate_config(cfg, sources, world_size=2)
 
 
+def test_tp_with_compiled_blocks_is_refused_on_cpu_with_the_reason():
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--compile.enable",
+                                "--parallelism.tensor_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="compile.enable = True cannot be combined with tensor parallelism on CPU"):
+        validate_config(cfg, sources, world_size=2)
+    cfg.compile.components = ["loss"]
+    with pytest.raises(ConfigError, match="cannot be compiled with loss parallel"):
+        validate_config(cfg, sources, world_size=2)
+    cfg.parallelism.disable_loss_parallel = True
+    validate_config(cfg, sources, world_size=2)
+
+
+def test_async_tp_needs_cuda_and_compile():
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--parallelism.tensor_parallel_degree",
+                                "2", "--parallelism.enable_async_tensor_parallel"])
+    with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+        validate_config(cfg, sources, world_size=2)
+
+
+def test_tp_degree_must_divide_heads():
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--parallelism.tensor_parallel_degree",
+                                "3", "--training.seq_len", "66"])
+    with pytest.raises(ConfigError, match="its n_heads 4 is not divisible by the tensor-parallel degree 3"):
+        validate_config(cfg, sources, world_size=3)
+
+
 BAD_FILES = {
     "unknown_section": ("[trainer]\nsteps = 3\n", "unknown key 'trainer.steps'"),
     "unknown_key": ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),

@@ -56,6 +56,7 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     _check_parallelism(c, world_size)
     _check_model(c)
     _check_data(c)
+    _check_checkpoint(c, world_size)
     _check_unsupported(c)
 
 
@@ -117,6 +118,14 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
     tp = p.tensor_parallel_degree
     c.require("parallelism.tensor_parallel_degree", c.cfg.training.seq_len % tp == 0,
               f"does not divide training.seq_len = {c.cfg.training.seq_len}, which sequence parallelism shards")
+    if tp > 1 and c.cfg.compile.enable and "model" in c.cfg.compile.components and device_type() == "cpu":
+        c.fail("compile.enable", "cannot be combined with tensor parallelism on CPU: with torch 2.13 the compiled "
+               "blocks' backward returns plain-tensor gradients for DTensor inputs and training crashes; "
+               "use compile without TP, or TP with compile.components = ['loss'] and parallelism.disable_loss_parallel")
+    if tp > 1 and c.cfg.compile.enable and "loss" in c.cfg.compile.components and not p.disable_loss_parallel:
+        c.fail("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
+               "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
+               "leave 'loss' out of compile.components")
     if p.enable_async_tensor_parallel:
         # Async TP rewrites compiled graphs to overlap NCCL collectives using symmetric memory.
         c.require("parallelism.enable_async_tensor_parallel", tp > 1, "needs parallelism.tensor_parallel_degree > 1")
@@ -189,18 +198,37 @@ def _check_data(c: _Checker) -> None:
                   f"built for; set it <= {c.cfg.training.seq_len}")
 
 
+def _check_checkpoint(c: _Checker, world_size: int) -> None:
+    from torchtitan.components.checkpoint import STATE_KEYS
+
+    ck = c.cfg.checkpoint
+    c.positive("checkpoint.interval")
+    c.require("checkpoint.keep_latest_k", ck.keep_latest_k >= 0, "is invalid; it must be >= 0 (0 keeps all)")
+    unknown = [k for k in ck.exclude_from_loading if k not in STATE_KEYS]
+    c.require("checkpoint.exclude_from_loading", not unknown,
+              f"names unknown state {unknown}; valid: {', '.join(STATE_KEYS)}")
+    if ck.initial_load_path is not None:
+        c.require("checkpoint.initial_load_path", Path(ck.initial_load_path).is_dir(), "is not a folder")
+        if ck.initial_load_in_hf:
+            c.require("checkpoint.initial_load_path", any(Path(ck.initial_load_path).glob("*.safetensors")),
+                      "holds no *.safetensors files (checkpoint.initial_load_in_hf is set)")
+    if ck.create_seed_checkpoint:
+        c.require("checkpoint.create_seed_checkpoint", ck.enable, "needs checkpoint.enable = true")
+        c.require("checkpoint.create_seed_checkpoint", world_size == 1,
+                  f"must run as a single process (the world size is {world_size})")
+
+
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
     c.not_yet("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree > 1, "pipeline parallelism")
     c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
-    c.not_yet("checkpoint.enable", cfg.checkpoint.enable, "checkpointing")
     c.not_yet("model.converters", bool(cfg.model.converters), "model converters")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":
         option = ac.selective_ac_option
-        c.not_yet("activation_checkpoint.selective_ac_option", option == "op", "per-operator selective AC")
-        c.require("activation_checkpoint.selective_ac_option", option.isdigit() and int(option) >= 1,
+        c.require("activation_checkpoint.selective_ac_option",
+                  option == "op" or (option.isdigit() and int(option) >= 1),
                   "is invalid; it must be a positive integer (checkpoint every N-th block) or 'op'")

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _ATTENTION_OPS = {
@@ -49,5 +49,7 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str, preserve_rng
         if index % every:
             continue
         kwargs = {"context_fn": _op_policy} if per_op else {}
-        wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng_state, use_reentrant=False, **kwargs)
+        wrapped = checkpoint_wrapper(
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng_state, **kwargs
+        )
         model.layers.register_module(name, wrapped)

@@ -19,6 +19,7 @@ class ParallelDims:
     pp: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _flat: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
@@ -80,27 +81,35 @@ class ParallelDims:
         sizes = dict(zip(MESH_DIM_ORDER, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)))
         names = [n for n in MESH_DIM_ORDER if sizes[n] > 1]
         mesh = init_device_mesh(device_type, [sizes[n] for n in names], mesh_dim_names=tuple(names))
+        self._mesh = mesh
+        # Flattened views are kept here: torch wants them bookkept, not sliced again from the root.
+        self._flat = {}
         for flat, parts in (
             ("dp", ("dp_replicate", "dp_shard")),
             ("dp_shard_cp", ("dp_shard", "cp")),
             ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
         ):
             present = tuple(p for p in parts if p in names)
-            if len(present) > 1:
-                mesh[present]._flatten(flat)
-            elif len(present) == 1 and present[0] != flat:
-                mesh[present]._flatten(flat)
-        self._mesh = mesh
+            if present:
+                self._flat[flat] = mesh[present]._flatten(flat) if len(present) > 1 else mesh[present[0]]
         return mesh
 
     def submesh(self, name: str | tuple[str, ...]) -> DeviceMesh | None:
         """A named (possibly flattened) sub-mesh, or None when that dimension has size 1."""
         if self._mesh is None:
             return None
+        if name in self._flat:
+            return self._flat[name]
         try:
             return self._mesh[name]
         except (KeyError, ValueError, RuntimeError):
             return None
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: dp_shard x cp, with dp_replicate as an outer dimension for HSDP."""
+        if not self.dp_replicate_enabled:
+            return self.submesh("dp_shard_cp")
+        return self._mesh[("dp_replicate", "dp_shard_cp" if self.cp_enabled else "dp_shard")]
 
     def dp_coordinates(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, data-parallel degree) for sharding the data."""

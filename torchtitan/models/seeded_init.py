@@ -14,8 +14,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 FillFn = Callable[[torch.Tensor, torch.Generator], None]
 
 
+# Wrappers that activation checkpointing and torch.compile put around modules add these to the names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's name as in the bare model, whatever wrappers were applied."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def generator_for(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    key = zlib.crc32(canonical_name(name).encode())
+    return torch.Generator().manual_seed((seed * 1_000_003 + key) % (2**63))
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from torch import nn
 
 from torchtitan.models.attention import causal_attention
 from torchtitan.models.llama3.args import Llama3ModelArgs, RopeScaling
-from torchtitan.models.seeded_init import init_param_, normal_, ones_
+from torchtitan.models.seeded_init import canonical_name, init_param_, normal_, ones_
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -123,6 +123,7 @@ class Transformer(nn.Module):
             # Materialising from the meta device (to_empty) gives each module its own tensor again.
             self.output.weight = self.tok_embeddings.weight
         for name, param in self.named_parameters():
+            name = canonical_name(name)
             init_param_(param, name, seed, self._fill_for(name))
 
     def _fill_for(self, name: str):

@@ -70,11 +70,9 @@ def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, job_config:
         apply_compile(model, job_config.compile.backend)
 
     if parallel_dims.fsdp_enabled:
-        # HSDP when there are replicas too: a 2-D (replicate, shard) mesh.
-        hsdp = parallel_dims.dp_replicate_enabled
         apply_fsdp(
             model,
-            parallel_dims.submesh(("dp_replicate", "dp_shard_cp") if hsdp else "dp_shard_cp"),
+            parallel_dims.fsdp_mesh(),
             param_dtype=training.mixed_precision_param,
             reduce_dtype=training.mixed_precision_reduce,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,

@@ -1,0 +1,42 @@
+"""Convert a Hugging Face Llama folder (config.json + safetensors) to a torchtitan model checkpoint.
+
+    python scripts/convert_from_hf.py hf_model outputs/seed --config train_configs/llama3_8b.toml
+
+The output is a DCP folder holding the model weights; start training from it with
+--checkpoint.initial_load_path outputs/seed (or load it with torchtitan.load_model).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.components.checkpoint import CheckpointError, ModelState
+from torchtitan.config import ConfigError, load_config
+from torchtitan.inference import build_model, is_hf_folder, load_hf_weights
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hf_folder", type=Path)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")
+    args = parser.parse_args()
+    if not is_hf_folder(args.hf_folder):
+        print(f"error: {args.hf_folder} has no config.json and *.safetensors", file=sys.stderr)
+        return 2
+    try:
+        cfg, _ = load_config(["--job.config_file", args.config])
+        model, spec = build_model(cfg)
+        load_hf_weights(model, spec, args.hf_folder)
+    except (ConfigError, CheckpointError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dcp.save({"model": ModelState([model])}, checkpoint_id=str(args.output), no_dist=True)
+    print(f"wrote a torchtitan model checkpoint to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

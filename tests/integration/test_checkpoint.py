@@ -1,0 +1,169 @@
+"""Checkpoints: exact resume, crash safety, resharding, and the rules for what is kept."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_command, run_module
+from torchtitan.components.checkpoint import SLOW_SAVE_ENV, complete_steps
+
+# The debug model at seq 256 in fp32: slow enough (~0.3 s/step) to stop a run between checkpoints.
+FLAGS = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "20",
+         "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "5",
+         "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+CONFIG = "train_configs/debug_model.toml"
+
+
+def launch(dump: Path, nproc: int, extra: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start a run in its own process group (so it can be killed whole, torchrun and workers alike)."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": CONFIG, **(env or {})}
+    full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env['PATH']}"
+    cmd = ["./run_train.sh", *FLAGS, *extra, f"--job.dump_folder={dump}"]
+    return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def run_to_end(dump: Path, nproc: int, extra: list[str], env: dict | None = None) -> str:
+    proc = launch(dump, nproc, extra, env)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_when(proc: subprocess.Popen, condition, timeout: float = 600) -> None:
+    """SIGKILL the run and every process it started, as a crashed node would lose them."""
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "timed out waiting to kill the run"
+        time.sleep(0.02)
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    time.sleep(0.5)  # let the kernel reap the workers before the relaunch looks at the folder
+
+
+def losses(dump: Path) -> dict[int, float]:
+    """Step -> loss; for steps logged twice (a killed run and its relaunch) the relaunch's value wins."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted 20-step runs, single process and FSDP 2."""
+    runs = {}
+    for nproc in (1, 2):
+        dump = tmp_path_factory.mktemp(f"straight{nproc}")
+        run_to_end(dump, nproc, ["--training.local_batch_size", str(8 // nproc)])
+        runs[nproc] = dump
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["single", "fsdp2"])
+def test_killed_and_relaunched_run_reproduces_the_straight_run_bitwise(tmp_path, straight, nproc):
+    """Async checkpoints and 2 dataloader workers; SIGKILL right after step 10's checkpoint completes."""
+    extra = ["--training.local_batch_size", str(8 // nproc), "--checkpoint.async_mode", "async",
+             "--training.dataloader.num_workers", "2"]
+    proc = launch(tmp_path, nproc, extra)
+    kill_when(proc, lambda: 10 in complete_steps(tmp_path / "checkpoint"))
+    out = run_to_end(tmp_path, nproc, extra)
+    resumed_from = max(s for s in complete_steps(tmp_path / "checkpoint") if s < 20)
+    assert "resumed from step" in out
+    expected = losses(straight[nproc])
+    ours = losses(tmp_path)
+    assert [ours[s] for s in range(11, 21)] == [expected[s] for s in range(11, 21)]  # bitwise
+    assert resumed_from >= 10
+
+
+@pytest.mark.slow
+def test_kill_during_an_async_save_resumes_from_the_previous_complete_checkpoint(tmp_path, straight):
+    extra = ["--training.local_batch_size", "8", "--checkpoint.async_mode", "async"]
+    proc = launch(tmp_path, 1, extra, env={SLOW_SAVE_ENV: "3"})
+    folder = tmp_path / "checkpoint"
+    kill_when(proc, lambda: (folder / "step-10.partial").is_dir() and 5 in complete_steps(folder))
+    assert complete_steps(folder) == [5]  # the half-written step-10 never counts as a checkpoint
+    out = run_to_end(tmp_path, 1, extra)
+    assert "resumed from step 5" in out, [l for l in out.splitlines() if "resum" in l or "step-" in l]
+    assert not (folder / "step-10.partial").exists()
+    expected, ours = losses(straight[1]), losses(tmp_path)
+    assert [ours[s] for s in range(6, 21)] == [expected[s] for s in range(6, 21)]
+
+
+@pytest.mark.slow
+def test_resharding_fsdp4_to_fsdp2_tp2_and_to_one_process(tmp_path, straight):
+    source = tmp_path / "fsdp4"
+    run_to_end(source, 4, ["--training.local_batch_size", "2"])
+    fsdp4 = losses(source)
+    for name, nproc, extra in [("fsdp2_tp2", 4, ["--training.local_batch_size", "4",
+                                                 "--parallelism.tensor_parallel_degree", "2"]),
+                               ("single", 1, ["--training.local_batch_size", "8"])]:
+        dump = tmp_path / name
+        (dump / "checkpoint").mkdir(parents=True)
+        os.system(f"cp -r {source}/checkpoint/step-10 {dump}/checkpoint/")
+        out = run_to_end(dump, nproc, extra)
+        assert "resumed from step 10" in out
+        ours = losses(dump)
+        for step in range(11, 21):
+            assert ours[step] == pytest.approx(fsdp4[step], rel=1e-4), (name, step)
+    # And the unsharded straight run agrees with the FSDP 4 one.
+    assert [fsdp4[s] for s in range(1, 21)] == pytest.approx([losses(straight[1])[s] for s in range(1, 21)], rel=1e-4)
+
+
+def test_finished_run_relaunch_exits_0_and_checkpoint_rules(tmp_path):
+    args = ["--job.config_file", "train_configs/tiny.toml", "--training.steps", "6", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", f"--job.dump_folder={tmp_path}"]
+    first = run_module("torchtitan.train", *args)
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "checkpoint"
+    assert complete_steps(folder) == [4, 6]  # keep_latest_k = 2
+    assert (folder / "export-step-6" / ".metadata").is_file()  # model-only export beside the last checkpoint
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = run_module("torchtitan.train", *args)
+    assert again.returncode == 0
+    assert "resumed from step 6" in again.stdout and "nothing to train" in again.stdout
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == rows  # nothing trained
+    # Extending the finished run: train to step 8 from its last checkpoint.
+    longer = run_module("torchtitan.train", *args[:3], "8", *args[4:])
+    assert longer.returncode == 0, longer.stderr
+    assert complete_steps(folder) == [6, 8]
+
+
+def test_corrupt_checkpoint_gives_a_one_line_error_naming_the_file(tmp_path):
+    args = ["--job.config_file", "train_configs/tiny.toml", "--training.steps", "2", "--checkpoint.enable",
+            f"--job.dump_folder={tmp_path}", "--checkpoint.last_save_model_only=false"]
+    assert run_module("torchtitan.train", *args).returncode == 0
+    shard = next((tmp_path / "checkpoint" / "step-2").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    result = run_module("torchtitan.train", *args[:3], "4", *args[4:])
+    assert result.returncode == 1
+    err = result.stderr.strip().splitlines()
+    assert err == [f"error: checkpoint file {shard} is truncated: 100 bytes, the metadata expects at least "
+                   f"{err[0].rsplit(' ', 1)[-1]}"], err
+    assert int(err[0].rsplit(" ", 1)[-1]) > 100

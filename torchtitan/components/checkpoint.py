@@ -1,0 +1,388 @@
+"""Distributed checkpoints: save, auto-resume, async writes, atomic completion, model-only exports.
+
+Layout under ``{job.dump_folder}/{checkpoint.folder}``:
+
+    step-20/            a complete checkpoint (DCP: one .metadata file plus shard files)
+    step-30.partial/    a checkpoint being written; renamed to step-30/ only once every rank is done
+    export-step-40/     model weights only, in checkpoint.export_dtype (beside step-40/, not instead of it)
+
+Everything we store ourselves is a tensor (steps, token counts, RNG states, the dataloader's stream
+position), so nothing of ours is pickled. DCP's own .metadata file is a pickle: load checkpoints only
+from sources you trust. Weights from elsewhere should come in as Hugging Face safetensors.
+"""
+
+import os
+import re
+import warnings
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.log import logger
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+PARTIAL_SUFFIX = ".partial"
+METADATA_FILE = ".metadata"
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A test-only hook: seconds each background save sleeps before writing, to make a window to kill it in.
+SLOW_SAVE_ENV = "TORCHTITAN_TEST_SLOW_SAVE_SECONDS"
+# A single process needs no process group to save or load; DCP warns about that every time.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be read or written; the message names the path."""
+
+
+@dataclass
+class TrainState(Stateful):
+    """Progress of the run, kept as tensors so that restoring it needs no unpickling."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    rng: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        state = {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen),
+                 "rng_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+class ModelState(Stateful):
+    """The parameters of every model part, under the names of the unwrapped model."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict:
+        state = {}
+        for part in self.model_parts:
+            state.update(get_model_state_dict(part))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for part in self.model_parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model_parts[0], optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class LRSchedulerState(Stateful):
+    """Only the count of completed steps: the schedule (a LambdaLR) is rebuilt from the config."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": torch.tensor(self.scheduler.last_epoch)}
+
+    def load_state_dict(self, state: dict) -> None:
+        completed = int(state["last_epoch"])
+        scheduler = self.scheduler
+        scheduler.last_epoch = completed
+        scheduler._step_count = completed + 1
+        # Recompute the next step's lr from the schedule rather than trusting load order against the optimizer.
+        lrs = [base * fn(completed) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+
+
+class DataLoaderState(Stateful):
+    """The stream position, identical on every rank, stored as three ints."""
+
+    FIELDS = ("epoch", "document", "offset")
+
+    def __init__(self, dataloader):
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict:
+        position = self.dataloader.state_dict()["stream_position"]
+        return {"stream_position": torch.tensor([position[f] for f in self.FIELDS], dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        values = state["stream_position"].tolist()
+        self.dataloader.load_state_dict({"stream_position": dict(zip(self.FIELDS, values))})
+
+
+def verify_checkpoint_files(path: Path) -> None:
+    """Check that every shard the metadata names exists and is long enough; name the first bad file."""
+    metadata = path / METADATA_FILE
+    if not metadata.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {METADATA_FILE} is missing")
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint metadata {metadata}: {type(e).__name__}: {e}") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"checkpoint file {file} is truncated: {file.stat().st_size} bytes, "
+                                  f"the metadata expects at least {size}")
+
+
+def _first_failure(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))
+        error = error[0] if isinstance(error, tuple) else error
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (renamed from .partial, metadata present), ascending."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for child in folder.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / METADATA_FILE).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Saves and loads the training state under the [checkpoint] section's rules."""
+
+    def __init__(self, cfg: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
+                 optimizer: torch.optim.Optimizer, lr_scheduler, dataloader, train_state: TrainState,
+                 device: torch.device, state_dict_adapter=None):
+        self.cfg = cfg
+        self.state_dict_adapter = state_dict_adapter
+        self.folder = Path(dump_folder) / cfg.folder
+        self.model_parts = model_parts
+        self.states = {
+            "model": ModelState(model_parts),
+            "optimizer": OptimizerState(model_parts, optimizer),
+            "lr_scheduler": LRSchedulerState(lr_scheduler),
+            "dataloader": DataLoaderState(dataloader),
+            "train_state": train_state,
+        }
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.no_dist = not dist.is_initialized()
+        self.async_mode = cfg.async_mode
+        if self.async_mode == "async_with_pinned_mem" and device.type != "cuda":
+            logger.warning("checkpoint.async_mode = 'async_with_pinned_mem' needs an accelerator; "
+                           "using 'async' on this CPU-only machine")
+            self.async_mode = "async"
+        # Background saves talk over their own gloo group so they never race the training collectives.
+        self.save_group = dist.new_group(backend="gloo") if dist.is_initialized() and cfg.enable else None
+        self.in_flight: tuple[int, Future, Path] | None = None
+
+    # ----- loading -----
+
+    def load(self) -> int | None:
+        """Resume from the latest (or checkpoint.load_step) checkpoint, else from initial_load_path.
+
+        Returns the step resumed from, or None when training starts from scratch.
+        """
+        if not self.cfg.enable:
+            return None
+        self._remove_partial_saves()
+        steps = complete_steps(self.folder)
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
+                                      f"{self.folder}/step-{self.cfg.load_step}; available steps: {steps or 'none'}")
+            step = self.cfg.load_step
+        elif steps:
+            step = steps[-1]
+        elif self.cfg.initial_load_path:
+            self._load_initial(Path(self.cfg.initial_load_path))
+            return None
+        else:
+            return None
+        path = self.folder / f"step-{step}"
+        keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
+        self._load(path, keys)
+        logger.info(f"resumed from step {step}: {path}")
+        return step
+
+    def _load_initial(self, path: Path) -> None:
+        if self.cfg.initial_load_in_hf:
+            self._load_hf(path)
+            return
+        keys = ["model"] if self.cfg.initial_load_model_only else list(STATE_KEYS)
+        self._load(path, keys)
+        logger.info(f"initialised {'the model' if keys == ['model'] else 'the run'} from {path}")
+
+    def _load_hf(self, path: Path) -> None:
+        """Model weights from a Hugging Face folder; every rank reads the files and keeps its shards."""
+        from torchtitan.inference import read_safetensors
+
+        if self.state_dict_adapter is None:
+            raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({path})")
+        state = self.state_dict_adapter.from_hf(read_safetensors(path))
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        for part in self.model_parts:
+            set_model_state_dict(part, state, options=options)
+        logger.info(f"initialised the model from Hugging Face weights in {path}")
+
+    def _load(self, path: Path, keys: list[str]) -> None:
+        verify_checkpoint_files(path)
+        state = {k: self.states[k] for k in keys}
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=self.no_dist)
+        except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+            raise CheckpointError(f"cannot load checkpoint {path}: {_first_failure(e)}") from None
+
+    def _remove_partial_saves(self) -> None:
+        """Drop what a run killed mid-save left behind; complete checkpoints are untouched."""
+        if self.rank == 0 and self.folder.is_dir():
+            for child in self.folder.iterdir():
+                if child.name.endswith(PARTIAL_SUFFIX):
+                    shutil.rmtree(child, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+    # ----- saving -----
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        if not self.cfg.enable or self.cfg.load_only:
+            return False
+        if step == last_step or step % self.cfg.interval == 0:
+            return True
+        return step == 1 and self.cfg.enable_first_step_checkpoint
+
+    def save(self, step: int, last_step: int) -> None:
+        """Write step-N (in the background with async_mode), then an export at the last step."""
+        self.poll()
+        self.wait()  # at most one save in flight
+        final = self.folder / f"step-{step}"
+        partial = self.folder / f"step-{step}{PARTIAL_SUFFIX}"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+        state = dict(self.states)
+        start = time.perf_counter()
+        if self.async_mode == "disabled":
+            dcp.save(state, checkpoint_id=str(partial), process_group=self.save_group, no_dist=self.no_dist)
+            self._finish(step, partial, final)
+            logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.2f}s")
+        else:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group,
+                                    storage_writer=_slow_writer_for_tests(partial), no_dist=self.no_dist)
+            self.in_flight = (step, future, partial)
+            logger.info(f"checkpoint step-{step} staged in {time.perf_counter() - start:.2f}s; writing in the background")
+        if step == last_step and self.cfg.last_save_model_only:
+            self.wait()
+            self.export_model(step)
+
+    def poll(self) -> None:
+        """Finish a background save that has completed; re-raise its failure, loudly."""
+        if self.in_flight is not None and self.in_flight[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written and made the latest checkpoint."""
+        if self.in_flight is None:
+            return
+        step, future, partial = self.in_flight
+        self.in_flight = None
+        try:
+            future.result()
+        except Exception as e:
+            raise CheckpointError(f"background save of {partial} failed: {type(e).__name__}: {e}") from e
+        self._finish(step, partial, self.folder / f"step-{step}")
+
+    def _finish(self, step: int, partial: Path, final: Path) -> None:
+        # DCP's save ends with a collective finish in which rank 0 gathers every rank's write results
+        # and then writes the metadata; once rank 0's save has returned, every shard is on disk. Only
+        # then does the checkpoint become visible under its final name (and older ones may go).
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            _fsync_dir(self.folder)
+            self._prune()
+        logger.info(f"checkpoint step-{step} complete: {final}")
+
+    def _prune(self) -> None:
+        """Keep the newest keep_latest_k complete checkpoints; older ones go only after a newer one is complete."""
+        if self.cfg.keep_latest_k <= 0:
+            return
+        for step in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
+            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+
+    def export_model(self, step: int) -> Path:
+        """Model weights only, in export_dtype, beside the full checkpoint of the same step."""
+        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.states["model"].state_dict().items()}
+        final = self.folder / f"export-step-{step}"
+        partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
+        dcp.save({"model": state}, checkpoint_id=str(partial), process_group=self.save_group, no_dist=self.no_dist)
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+        logger.info(f"exported model weights ({self.cfg.export_dtype}) to {final}")
+        return final
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _slow_writer_for_tests(path: Path):
+    """A writer that sleeps before writing when SLOW_SAVE_ENV is set, so a test can kill a run mid-save."""
+    seconds = float(os.environ.get(SLOW_SAVE_ENV, "0"))
+    if seconds <= 0:
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class SlowWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(seconds)
+            return super().write_data(plan, planner)
+
+    return SlowWriter(path)

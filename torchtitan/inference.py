@@ -1,0 +1,72 @@
+"""Load a trained model for generation, evaluation or a notebook, without a process group.
+
+    model = torchtitan.load_model("train_configs/debug_model.toml", "outputs/checkpoint/step-100")
+    logits = model(token_ids)  # [B, T] -> [B, T, vocab]
+
+The checkpoint may be a DCP step folder (full or model-only export) or a Hugging Face folder
+(config.json + *.safetensors); the kind is detected from its files.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+
+from torchtitan.components.checkpoint import CheckpointError, ModelState, verify_checkpoint_files
+from torchtitan.config import load_config
+from torchtitan.config.job_config import JobConfig
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+
+
+def build_model(cfg: JobConfig, device: torch.device | str = "cpu") -> tuple[nn.Module, TrainSpec]:
+    """The config's model, materialised and initialised from debug.seed, with its train spec."""
+    spec = get_train_spec(cfg.model.name)
+    tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
+    args = spec.flavors[cfg.model.flavor].finalize(tokenizer.vocab_size, cfg.training.seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device=device)
+    model.init_weights(cfg.debug.seed, buffer_device=torch.device(device))
+    return model, spec
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    return state
+
+
+def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:
+    if spec.state_dict_adapter is None:
+        raise CheckpointError(f"model family has no Hugging Face adapter; cannot load {folder}")
+    state = spec.state_dict_adapter(model.args).from_hf(read_safetensors(folder))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def load_dcp_model(model: nn.Module, path: Path) -> None:
+    verify_checkpoint_files(path)
+    dcp.load({"model": ModelState([model])}, checkpoint_id=str(path), no_dist=True)
+
+
+def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:
+    """An eval-mode model built from ``config_file`` with weights from ``checkpoint`` (DCP or HF folder)."""
+    cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
+    model, spec = build_model(cfg, device)
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if is_hf_folder(path):
+            load_hf_weights(model, spec, path)
+        else:
+            load_dcp_model(model, path)
+    return model.eval()
