@@ -34,7 +34,8 @@ def main() -> None:
         argv = ["--job.config_file", "train_configs/debug_model.toml", f"--job.dump_folder={dump}",
                 "--model.flavor", args.flavor, "--training.local_batch_size", "2", "--training.seq_len", "128",
                 "--training.steps", "1", "--checkpoint.enable", "--checkpoint.keep_latest_k", "2",
-                "--checkpoint.interval", "1000000", "--checkpoint.last_save_model_only=false"]
+                "--checkpoint.interval", "1000000", "--checkpoint.last_save_model_only=false",
+                "--checkpoint.async_mode", "async"]
         cfg, sources = load_config(argv)
         validate_config(cfg, sources, world_size=1)
         trainer = Trainer(cfg)

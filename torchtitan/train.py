@@ -33,6 +33,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger
 from torchtitan.protocols.model import count_params
+from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import get_train_spec
 
 
@@ -58,6 +59,10 @@ class Trainer:
         self.model_args = spec.flavors[cfg.model.flavor].finalize(self.tokenizer.vocab_size, training.seq_len)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
+        self.converters = ModelConverters(cfg.model.converters, cfg, self.parallel_dims)
+        self.converters.convert(model)
+        if cfg.model.print_after_conversion:
+            logger.info(f"model after conversion:\n{model}")
         num_params = count_params(model)
         self.flops_per_token = self.model_args.flops_per_token(count_params(model, exclude_embedding=True),
                                                                training.seq_len)
@@ -164,6 +169,7 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
         self.optimizer.step()
+        self.converters.post_optimizer_hook(self.model_parts)
         self.lr_scheduler.step()
         return sum_over(step_loss, self.loss_mesh), grad_norm
 

@@ -150,6 +150,7 @@ BAD_FLAGS = {
     "missing_config": (["--job.config_file", "nope.toml"], "config file 'nope.toml' does not exist"),
     "missing_dataset_path": (["--training.dataset_path", "/no/such/data"], "training.dataset_path = '/no/such/data' does not exist"),
     "missing_tokenizer": (["--model.hf_assets_path", "/no/such/dir"], "model.hf_assets_path = '/no/such/dir' does not exist"),
+    "unknown_converter": (["--model.converters", "fp8"], "model.converters = ['fp8'] names unknown converters"),
     "unknown_dataset": (["--training.dataset", "c5"], "training.dataset = 'c5' is not a registered dataset"),
     "unknown_flag": (["--training.stepz", "3"], "unknown key 'training.stepz'"),
     "missing_value": (["--training.steps"], "missing value; expected an integer"),

@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -210,6 +212,9 @@ class CheckpointManager:
             self.async_mode = "async"
         # Background saves talk over their own gloo group so they never race the training collectives.
         self.save_group = dist.new_group(backend="gloo") if dist.is_initialized() and cfg.enable else None
+        self.stager = None
+        if cfg.enable and self.async_mode != "disabled":
+            self.stager = _ReusedBufferStager(pin_memory=self.async_mode == "async_with_pinned_mem")
         self.in_flight: tuple[int, Future, Path] | None = None
 
     # ----- loading -----
@@ -306,7 +311,8 @@ class CheckpointManager:
             logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.2f}s")
         else:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group,
-                                    storage_writer=_slow_writer_for_tests(partial), no_dist=self.no_dist)
+                                    storage_writer=_slow_writer_for_tests(partial), async_stager=self.stager,
+                                    no_dist=self.no_dist)
             self.in_flight = (step, future, partial)
             logger.info(f"checkpoint step-{step} staged in {time.perf_counter() - start:.2f}s; writing in the background")
         if step == last_step and self.cfg.last_save_model_only:
@@ -363,6 +369,25 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+class _ReusedBufferStager(BlockingAsyncStager):
+    """Stages into host buffers allocated once per run, so staging a checkpoint is a copy, not an allocation.
+
+    Safe because at most one save is in flight: the buffers are not refilled while being written.
+    """
+
+    def __init__(self, pin_memory: bool):
+        super().__init__(cache_staged_state_dict=True)
+        self.pin_memory = pin_memory
+
+    def stage(self, state_dict: dict) -> dict:
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory)
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -183,7 +183,7 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = option(False, "Compute float8 scales once per step")
     recipe_name: Literal["tensorwise", "rowwise"] | None = option(None, "float8 scaling recipe")
     filter_fqns: list[str] = option(["output"], "Linear layers (by name) left in high precision")
-    emulate: bool = option(False, "Emulate float8 on devices without float8 kernels")
+    emulate: bool = option(False, "Round to float8 but multiply in high precision (for devices without fast float8 matmuls, e.g. CPU)")
 
 
 @dataclass

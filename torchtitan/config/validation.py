@@ -56,6 +56,7 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     _check_parallelism(c, world_size)
     _check_model(c)
     _check_data(c)
+    _check_converters(c)
     _check_checkpoint(c, world_size)
     _check_unsupported(c)
 
@@ -170,6 +171,14 @@ def _check_model(c: _Checker) -> None:
               f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
 
 
+def _check_converters(c: _Checker) -> None:
+    from torchtitan.protocols.model_converter import registered_model_converters
+
+    known = registered_model_converters()
+    unknown = [n for n in c.cfg.model.converters if n not in known]
+    c.require("model.converters", not unknown, f"names unknown converters {unknown}; registered: {', '.join(known)}")
+
+
 def _check_data(c: _Checker) -> None:
     from torchtitan.data.sources import HUB_DATASETS, registered_datasets
 
@@ -224,7 +233,6 @@ def _check_unsupported(c: _Checker) -> None:
     c.not_yet("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree > 1, "pipeline parallelism")
     c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
-    c.not_yet("model.converters", bool(cfg.model.converters), "model converters")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":

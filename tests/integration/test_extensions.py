@@ -1,0 +1,117 @@
+"""Extension points: an outside model via experimental.custom_import, and the float8 model converter."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_command, run_module
+from tests.integration.test_training import make_trainer
+from torchtitan.config import ConfigError, load_config
+from torchtitan.config.validation import validate_config
+from torchtitan.protocols import TrainSpec, register_train_spec
+from torchtitan.protocols.model_converter import register_model_converter
+
+NANOGPT = "examples/nanogpt/nanogpt.toml"
+
+
+def losses(folder):
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_outside_package_model_trains_through_custom_import(tmp_path):
+    result = run_module("torchtitan.train", "--job.config_file", NANOGPT, "--training.steps", "5",
+                        "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
+                        f"--job.dump_folder={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "model nanogpt/tiny" in result.stdout
+    values = losses(tmp_path)
+    assert len(values) == 5 and values[-1] < values[0]
+
+
+@pytest.mark.slow
+def test_outside_package_model_under_fsdp2_matches_single_process(tmp_path):
+    flags = ["--training.steps", "5", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
+             "--comm.init_timeout_seconds", "600"]
+    single = tmp_path / "single"
+    assert run_module("torchtitan.train", "--job.config_file", NANOGPT, *flags, "--training.local_batch_size", "4",
+                      f"--job.dump_folder={single}").returncode == 0
+    fsdp = tmp_path / "fsdp"
+    result = run_command(["./run_train.sh", *flags, "--training.local_batch_size", "2", f"--job.dump_folder={fsdp}"],
+                         env={"NGPU": "2", "CONFIG_FILE": NANOGPT})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert losses(fsdp) == pytest.approx(losses(single), rel=1e-4)
+
+
+def test_registries_refuse_duplicates_and_unknown_names():
+    from torchtitan.models.llama3 import Transformer, llama3_flavors, parallelize_llama
+
+    with pytest.raises(ValueError, match="'llama3' is already registered"):
+        register_train_spec("llama3", TrainSpec(model_cls=Transformer, flavors=llama3_flavors,
+                                                parallelize_fn=parallelize_llama))
+    with pytest.raises(ValueError, match="'float8' is already registered"):
+        from torchtitan.components.float8 import Float8Converter  # noqa: F401  (registers float8)
+
+        register_model_converter("float8", object)
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--model.converters", "fp8"])
+    with pytest.raises(ConfigError, match=r"model.converters = \['fp8'\] names unknown converters \['fp8'\]; "
+                                          r"registered: .*float8"):
+        validate_config(cfg, sources, world_size=1)
+
+
+def test_float8_converts_every_linear_except_filtered(tmp_path):
+    from torchao.float8.float8_linear import Float8Linear
+
+    trainer = make_trainer(tmp_path, "--model.converters", "float8", "--training.steps", "1",
+                           "--model.flavor", "debugmodel")
+    model = trainer.model_parts[0]
+    linears = {name: type(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linears.pop("output") is torch.nn.Linear  # filter_fqns = ["output"] by default
+    assert len(linears) == 6 * 7 and all(t is Float8Linear for t in linears.values())
+
+
+FLOAT8_FLAGS = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", "30",
+                "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600"]
+# torch._scaled_mm has no fast CPU kernel; emulation keeps float8 rounding with fast matmuls.
+EMULATE = ["--quantize.linear.float8.emulate"]
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16")
+    result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *FLOAT8_FLAGS,
+                        "--training.local_batch_size", "8", f"--job.dump_folder={out}")
+    assert result.returncode == 0, result.stderr
+    return losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "fsdp2", "compile"])
+def test_float8_training_stays_within_5_percent_of_bf16(tmp_path, bf16_reference, layout):
+    flags = [*FLOAT8_FLAGS, "--model.converters", "float8", *EMULATE, f"--job.dump_folder={tmp_path}"]
+    if layout == "fsdp2":
+        result = run_command(["./run_train.sh", *flags, "--training.local_batch_size", "4"],
+                             env={"NGPU": "2", "CONFIG_FILE": "train_configs/tiny.toml"})
+    else:
+        extra = ["--compile.enable"] if layout == "compile" else []
+        result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *flags, *extra,
+                            "--training.local_batch_size", "8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ours = losses(tmp_path)
+    assert len(ours) == 30
+    assert ours[-1] == pytest.approx(bf16_reference[-1], rel=0.05)
+    assert ours[-1] < ours[0] - 1.0  # it learned, so the comparison is between trained models
+
+
+@pytest.mark.slow
+def test_float8_with_real_scaled_mm_kernels_trains_the_tiny_model(tmp_path):
+    """Without emulation every float8 matmul goes through torch._scaled_mm (slow on CPU: 3 tiny steps)."""
+    flags = ["--training.steps", "3", "--metrics.log_freq", "1", f"--job.dump_folder={tmp_path}"]
+    ref = tmp_path / "ref"
+    assert run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *flags[:-1],
+                      f"--job.dump_folder={ref}").returncode == 0
+    result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *flags,
+                        "--model.converters", "float8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "converted" in result.stdout and "scaled_mm has no fast CPU kernel" in result.stdout
+    assert losses(tmp_path) == pytest.approx(losses(ref), rel=0.05)

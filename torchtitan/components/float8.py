@@ -1,0 +1,68 @@
+"""float8 training of Linear layers through torchao, registered as the model converter "float8"."""
+
+import dataclasses
+import logging
+
+from torch import nn
+
+from torchtitan.distributed.device import device_type
+from torchtitan.log import logger
+from torchtitan.protocols.model_converter import register_model_converter
+
+
+def _import_torchao_float8():
+    # On CPU-only machines torchao reports its optional CUDA kernels failing to load, and torch warns about an
+    # enum torchao registers with pytree; both are expected and not the user's to act on.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from torchao import float8
+    from torchao.float8.float8_linear import Float8Linear
+
+    return float8, Float8Linear
+
+
+class Float8Converter:
+    """Swaps nn.Linear for torchao's Float8Linear, except modules named in filter_fqns."""
+
+    def __init__(self, job_config, parallel_dims):
+        self.cfg = job_config.quantize.linear.float8
+        self.fsdp = parallel_dims.fsdp_enabled
+        float8, self._float8_linear = _import_torchao_float8()
+        if self.cfg.recipe_name is not None:
+            config = float8.Float8LinearConfig.from_recipe_name(self.cfg.recipe_name)
+            self.config = dataclasses.replace(config, emulate=self.cfg.emulate)
+        else:
+            self.config = float8.Float8LinearConfig(
+                enable_fsdp_float8_all_gather=self.cfg.enable_fsdp_float8_all_gather and self.fsdp,
+                emulate=self.cfg.emulate,
+            )
+        if device_type() == "cpu" and not self.cfg.emulate:
+            logger.warning("float8 on CPU: torch._scaled_mm has no fast CPU kernel (about 10^4 times slower than a "
+                           "bf16 matmul here); set quantize.linear.float8.emulate = true to keep float8 numerics "
+                           "with fast matmuls")
+        self.precompute_scales = (
+            self.cfg.precompute_float8_dynamic_scale_for_fsdp and self.config.enable_fsdp_float8_all_gather
+        )
+        self._float8 = float8
+
+    def _keep(self, module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        # float8 matmuls need both dimensions divisible by 16.
+        if module.in_features % 16 or module.out_features % 16:
+            return False
+        return not any(fqn == f or fqn.startswith(f + ".") or fqn.endswith("." + f) for f in self.cfg.filter_fqns)
+
+    def convert(self, model: nn.Module) -> None:
+        self._float8.convert_to_float8_training(model, config=self.config, module_filter_fn=self._keep)
+        converted = sum(isinstance(m, self._float8_linear) for m in model.modules())
+        logger.info(f"float8: converted {converted} Linear layers (recipe {self.cfg.recipe_name or 'tensorwise'}, "
+                    f"kept in high precision: {', '.join(self.cfg.filter_fqns) or 'none'})")
+
+    def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
+        if self.precompute_scales:
+            for part in model_parts:
+                self._float8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+register_model_converter("float8", Float8Converter)

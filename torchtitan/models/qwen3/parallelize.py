@@ -1,0 +1,108 @@
+"""Apply parallelism to a Qwen3 model: TP, then AC, then compile, then FSDP/DDP."""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import enable_async_tp
+from torchtitan.models.qwen3.model import Qwen3Model
+
+# The heads dimension of the (batch, seq, heads, head_dim) tensors that QK-norm sees.
+_HEADS_DIM = 2
+
+
+def apply_tp(model: Qwen3Model, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    """Megatron-style TP with sequence parallelism on the norms.
+
+    Between blocks activations are sharded on the sequence dimension; each block gathers them for
+    the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
+    row-parallel projections (wo, w2) reduce-scatter back to sequence shards. With loss parallel
+    the logits stay sharded on the vocabulary.
+
+    QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring
+    its input as sharded on the heads dimension makes the weight a replicated DTensor, so its
+    gradient, a partial sum over each rank's heads, is all-reduced over the TP ranks. A plain
+    weight would keep a different partial gradient on every rank (and, being the only non-DTensor
+    parameter, make grad-norm clipping fail on the mix).
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    # Both tables are sharded on the vocabulary (dim 0), so a tied pair can share one DTensor again.
+    model.tie_weights()
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.q_norm": SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+
+def parallelize_qwen3(model: Qwen3Model, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    parallelism, training = job_config.parallelism, job_config.training
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.submesh("tp")
+        apply_tp(model, tp_mesh, loss_parallel=not parallelism.disable_loss_parallel)
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
+
+    ac = job_config.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model, job_config.compile.backend)
+
+    if parallel_dims.fsdp_enabled:
+        if model.args.tie_embeddings:
+            # Otherwise FSDP2 fails with an error about shared parameters that names neither.
+            raise ValueError(
+                f"this Qwen3 flavor ties its embeddings (tie_embeddings=True) and cannot be sharded with FSDP "
+                f"(data-parallel shard degree {parallel_dims.dp_shard}, context-parallel degree "
+                f"{parallel_dims.cp}): the shared apply_fsdp puts tok_embeddings and output in separate FSDP "
+                f"units, which FSDP2 rejects for one shared weight; use tensor parallelism, "
+                f"data_parallel_replicate_degree (DDP) or an untied flavor"
+            )
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh(),
+            param_dtype=training.mixed_precision_param,
+            reduce_dtype=training.mixed_precision_reduce,
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=training.enable_cpu_offload,
+        )
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.submesh("dp_replicate"))
+    return model
