@@ -12,6 +12,10 @@ TOKENIZER = REPO / "assets" / "tokenizer"
 # No test may reach the Hugging Face hub: hub loads fail fast instead (subprocesses inherit this).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# And anything else that tries HTTP(S) meets a proxy that refuses at once: the suite must pass offline.
+for _var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+    os.environ[_var] = "http://127.0.0.1:9"
+os.environ["NO_PROXY"] = os.environ["no_proxy"] = ""
 # `datasets` leaves a lock file per data file read in its cache; keep the tests' out of the user's cache.
 _DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="torchtitan-tests-datasets-")
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
