@@ -30,11 +30,14 @@ def apply_fsdp(
     # With PP each micro-batch re-runs forward, so resharding would re-gather the weights every time.
     reshard = {"always": True, "never": False, "default": not pp_enabled}[reshard_after_forward]
 
-    if getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **kwargs)
+    embeddings, norm, output = (getattr(model, name, None) for name in ("tok_embeddings", "norm", "output"))
+    # A weight shared by the embeddings and the output must live in one FSDP unit.
+    tied = embeddings is not None and output is not None and output.weight is embeddings.weight
+    if embeddings is not None and not tied:
+        fully_shard(embeddings, reshard_after_forward=reshard, **kwargs)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    final = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    final = [m for m in ((embeddings if tied else None), norm, output) if m is not None]
     if final:
         # The last unit is needed again right away in backward, so keep it gathered.
         fully_shard(final, reshard_after_forward=False, **kwargs)

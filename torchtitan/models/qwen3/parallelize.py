@@ -85,15 +85,6 @@ def parallelize_qwen3(model: Qwen3Model, parallel_dims: ParallelDims, job_config
         apply_compile(model, job_config.compile.backend)
 
     if parallel_dims.fsdp_enabled:
-        if model.args.tie_embeddings:
-            # Otherwise FSDP2 fails with an error about shared parameters that names neither.
-            raise ValueError(
-                f"this Qwen3 flavor ties its embeddings (tie_embeddings=True) and cannot be sharded with FSDP "
-                f"(data-parallel shard degree {parallel_dims.dp_shard}, context-parallel degree "
-                f"{parallel_dims.cp}): the shared apply_fsdp puts tok_embeddings and output in separate FSDP "
-                f"units, which FSDP2 rejects for one shared weight; use tensor parallelism, "
-                f"data_parallel_replicate_degree (DDP) or an untied flavor"
-            )
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
