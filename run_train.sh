@@ -22,6 +22,8 @@ done
 # Check the config first: a worker's error would otherwise reach the user wrapped in torchrun's traceback.
 WORLD_SIZE=$NGPU RANK=0 "$PYTHON" -m torchtitan.config --job.config_file "$CONFIG_FILE" "$@"
 
+# SIGUSR1 is forwarded too (torchrun does not by default): it asks the trainer to checkpoint and stop.
 exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 120 \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m torchtitan.train --job.config_file "$CONFIG_FILE" "$@"

@@ -101,15 +101,17 @@ def main() -> None:
 
         run_trainer(1)  # warm-up: allocator, kernel selection, compilation
         run_minimal(1)
-        trainer_tps, minimal_tps = [], []
+        trainer_tps, minimal_tps, peaks = [], [], []
         for r in range(args.repeats):
-            # Alternate which side goes first so neither always follows the other.
+            # Alternate which side goes first so neither always follows the other, and measure the
+            # matmul peak in every repeat too: this VM's speed drifts, so the peak must be contemporaneous.
             order = [(run_trainer, trainer_tps), (run_minimal, minimal_tps)]
             for fn, out in order if r % 2 == 0 else order[::-1]:
                 out.append(timed(fn, args.steps, tokens))
+            peaks.append(measure_matmul_tflops(dtype, torch.get_num_threads(), seconds_per_size=0.3))
         trainer.close()
 
-    peak = measure_matmul_tflops(dtype, torch.get_num_threads())
+    peak = statistics.median(peaks)
     flops_per_token = trainer.flops_per_token
     med_t, med_m = statistics.median(trainer_tps), statistics.median(minimal_tps)
     mfu_t = 100 * med_t * flops_per_token / 1e12 / peak
@@ -125,7 +127,8 @@ def main() -> None:
         f"Machine: {cpu_model()} ({usable_cores()} cores, {torch.get_num_threads()} threads), "
         f"torch {torch.__version__}, Python {platform.python_version()}.",
         f"{args.repeats} interleaved repeats of {args.steps} timed steps each, after one warm-up step per side.",
-        f"Measured {args.dtype} matmul peak: {peak:.3f} TFLOP/s. FLOPs per token: {flops_per_token / 1e6:.2f} M "
+        f"Measured {args.dtype} matmul peak (median of one measurement per repeat, "
+        f"{min(peaks):.3f} – {max(peaks):.3f}): {peak:.3f} TFLOP/s. FLOPs per token: {flops_per_token / 1e6:.2f} M "
         "(6 x non-embedding params + 12 x layers x heads x head_dim x seq_len).",
         "",
         "| side | median tokens/s | min – max | TFLOP/s | MFU vs measured peak |",

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.validate import Validator
 from torchtitan.components.provenance import save_provenance
@@ -137,6 +138,7 @@ class Trainer:
             state_dict_adapter=spec.state_dict_adapter(self.model_args) if spec.state_dict_adapter else None,
         )
         self.checkpointer.load()
+        self.preemption = PreemptionWatcher(self.device)
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
 
@@ -201,14 +203,26 @@ class Trainer:
                 self.metrics.record_step(step, self.tokens_per_device, data_seconds)
                 self._check_and_log(step, loss, grad_norm, lr)
                 self.checkpointer.poll()
-                if self.checkpointer.should_save(step, cfg.steps):
+                saved = self.checkpointer.should_save(step, cfg.steps)
+                if saved:
                     self.checkpointer.save(step, cfg.steps)
+                if self.preemption.should_stop():
+                    self._stop_for_preemption(step, saved)
+                    return
                 if step == 1:
                     device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
         finally:
             gc.enable()
             profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")
+
+    def _stop_for_preemption(self, step: int, saved: bool) -> None:
+        if self.cfg.checkpoint.enable and not saved:
+            self.checkpointer.save(step, self.cfg.training.steps)
+        self.checkpointer.wait()
+        where = "a checkpoint is saved" if self.cfg.checkpoint.enable else "checkpointing is off, nothing saved"
+        logger.warning(f"stopping after step {step} on {self.preemption.received or 'a peer rank signal'}: "
+                       f"{where}; relaunch the same command to resume")
 
     def _check_and_log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
@@ -223,6 +237,7 @@ class Trainer:
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
 
     def close(self) -> None:
+        self.preemption.close()
         self.checkpointer.close()
         self.metrics.close()
 

@@ -22,6 +22,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.data.dataset import PackedTokenDataset, StreamPosition
+from torchtitan.components.preemption import ignore_preemption_signals
 from torchtitan.data.errors import DataError
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
@@ -115,6 +116,8 @@ def build_dataloader(
     return TokenDataLoader(
         packed,
         num_workers=num_workers,
+        # A preemption signal is for the training process to act on; workers must outlive it.
+        worker_init_fn=ignore_preemption_signals if num_workers > 0 else None,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor,
         persistent_workers=persistent_workers,

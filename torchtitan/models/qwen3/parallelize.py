@@ -12,9 +12,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.distributed.compile import apply_compile
-from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.distributed.apply_common import apply_ac_compile_and_data_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import enable_async_tp
 from torchtitan.models.qwen3.model import Qwen3Model
@@ -72,28 +70,11 @@ def apply_tp(model: Qwen3Model, tp_mesh: DeviceMesh, loss_parallel: bool) -> Non
 
 
 def parallelize_qwen3(model: Qwen3Model, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    parallelism, training = job_config.parallelism, job_config.training
+    parallelism = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.submesh("tp")
         apply_tp(model, tp_mesh, loss_parallel=not parallelism.disable_loss_parallel)
         if parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
 
-    ac = job_config.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model, job_config.compile.backend)
-
-    if parallel_dims.fsdp_enabled:
-        apply_fsdp(
-            model,
-            parallel_dims.fsdp_mesh(),
-            param_dtype=training.mixed_precision_param,
-            reduce_dtype=training.mixed_precision_reduce,
-            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
-            pp_enabled=parallel_dims.pp_enabled,
-            cpu_offload=training.enable_cpu_offload,
-        )
-    elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, parallel_dims.submesh("dp_replicate"))
-    return model
+    return apply_ac_compile_and_data_parallel(model, parallel_dims, job_config)

@@ -1,0 +1,88 @@
+"""sbatch multinode_trainer.slurm on a real two-node Slurm (../shared/tools/local-slurm), with preemption.
+
+Needs root (the tool installs Debian's slurm-wlm and starts its daemons); elsewhere these tests are
+skipped with that reason.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from torchtitan.components.checkpoint import complete_steps
+
+LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or not LOCAL_SLURM.exists(),
+                       reason="a local Slurm cluster needs root and ../shared/tools/local-slurm"),
+]
+FLAGS = ["--training.seq_len", "256", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+         "--checkpoint.enable", "--comm.init_timeout_seconds", "600"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    subprocess.run(["bash", str(LOCAL_SLURM), "up", "2"], check=True, timeout=900)
+    yield
+    subprocess.run(["bash", str(LOCAL_SLURM), "down"], timeout=120)
+
+
+def submit(tmp_path: Path, *args: str) -> str:
+    env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", "multinode_trainer.slurm",
+                          *FLAGS, f"--job.dump_folder={tmp_path}", *args],
+                         cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def running(job: str) -> bool:
+    return bool(subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip())
+
+
+def wait_for(job: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while running(job):
+        assert time.time() < deadline, f"job {job} still running after {timeout}s"
+        time.sleep(1)
+
+
+def log_of(tmp_path: Path, job: str) -> str:
+    return (tmp_path / f"slurm-{job}.out").read_text()
+
+
+# Not TERM: Slurm 22.05 treats `scancel --signal=TERM` as a cancellation and srun kills the step at
+# once (run_train.sh's TERM path is tested in test_preemption.py).
+@pytest.mark.parametrize("signal_name,target", [("USR1", "--full"), ("USR1", "--batch")],
+                         ids=["usr1-full", "usr1-batch-shell-only"])
+def test_two_node_training_preemption_then_resume(cluster, tmp_path, signal_name, target):
+    """--batch reaches only the batch shell, as Slurm's --signal=B:USR1@120 notice does."""
+    job = submit(tmp_path, "--training.steps", "400", "--checkpoint.interval", "10")
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 12):
+        assert running(job) and time.time() < deadline, log_of(tmp_path, job)[-3000:]
+        time.sleep(1)
+    assert "2 nodes x 1 processes" in log_of(tmp_path, job)
+    subprocess.run(["scancel", f"--signal={signal_name}", target, job], check=True)
+    signalled = time.time()
+    wait_for(job, timeout=120)
+    assert time.time() - signalled < 60, "the job did not end within a minute of the signal"
+    log = log_of(tmp_path, job)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    stopped = rows[-1]["step"]
+    assert f"stopping after step {stopped} on SIG{signal_name}" in log, log[-3000:]
+    assert stopped in complete_steps(tmp_path / "checkpoint") and 10 in complete_steps(tmp_path / "checkpoint")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+    resumed = submit(tmp_path, "--training.steps", str(stopped + 3), "--checkpoint.interval", "10")
+    wait_for(resumed, timeout=600)
+    log = log_of(tmp_path, resumed)
+    assert f"resumed from step {stopped}" in log, log[-3000:]
+    assert f"training finished after {stopped + 3} steps" in log

@@ -1,0 +1,34 @@
+"""The model-independent part of parallelizing: AC, then compile, then FSDP/HSDP or DDP.
+
+A family's parallelize function applies its own tensor-parallel plan and then calls this, which keeps
+the order TP -> AC -> compile -> FSDP the same for every model.
+"""
+
+from torch import nn
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+
+def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: ParallelDims,
+                                       job_config: JobConfig) -> nn.Module:
+    ac, training, parallelism = job_config.activation_checkpoint, job_config.training, job_config.parallelism
+    apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model, job_config.compile.backend)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh(),
+            param_dtype=training.mixed_precision_param,
+            reduce_dtype=training.mixed_precision_reduce,
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=training.enable_cpu_offload,
+        )
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, parallel_dims.submesh("dp_replicate"))
+    return model
