@@ -9,14 +9,11 @@ import torch
 import transformers
 
 from tests.conftest import run_command, run_module
+from tests.integration.test_distributed import assert_matches, read_rows
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"
 FP32 = ["--training.mixed_precision_param", "float32"]
-
-
-def read_rows(folder):
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_debug_model_trains(tmp_path):
@@ -85,12 +82,7 @@ def test_layout_matches_single_process(tmp_path, reference, layout):
     result = run_command(["./run_train.sh", *COMMON, *LAYOUTS[layout], f"--job.dump_folder={tmp_path}"],
                          env={"NGPU": "2", "CONFIG_FILE": CONFIG})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = read_rows(tmp_path)
-    assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 7))
-    for ours, ref in zip(rows, reference):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
-    assert rows[-1]["loss"] < rows[0]["loss"]  # it trains, so the comparison is not between constants
+    assert_matches(read_rows(tmp_path), reference)
 
 
 @pytest.mark.slow
@@ -105,8 +97,4 @@ def test_tied_embeddings_under_fsdp2_match_single_process(tmp_path):
     result = run_command(["./run_train.sh", *COMMON, *tied, "--training.local_batch_size", "4",
                           f"--job.dump_folder={fsdp}"], env={"NGPU": "2", "CONFIG_FILE": CONFIG})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    reference = read_rows(single)
-    rows = read_rows(fsdp)
-    assert len(rows) == len(reference) == 6
-    for ours, ref in zip(rows, reference):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
+    assert_matches(read_rows(fsdp), read_rows(single))
