@@ -1,0 +1,446 @@
+"""Exact context-parallel (CP) causal attention that runs on CPU/gloo and GPU/NCCL alike.
+
+The sequence is split over the ``cp`` ranks of a group. Causal attention is lopsided: the last tokens
+attend to everything, the first to almost nothing. Handing rank ``r`` the contiguous ``r``-th slice
+would leave the last rank with most of the work, so the sequence is cut into ``2 * cp`` equal chunks
+and rank ``r`` holds chunk ``r`` (its "head") followed by chunk ``2*cp - 1 - r`` (its "tail"). Every
+rank then does the same amount of attention work.
+
+Each rank attends its queries to key/value blocks from the other ranks and combines the partial results
+with their log-sum-exp (LSE), which is exact. Blocks that lie wholly above the causal diagonal are never
+computed. Two ways to bring the keys/values over are offered:
+
+* ``"allgather"``: gather all keys/values once, attend, and reduce-scatter their gradients in backward.
+  Simple and few collectives; holds the full-length keys/values for the duration of the call.
+* ``"ring"``: pass key/value blocks around the ring with send/recv, overlapping transfer with compute;
+  only two blocks are resident at a time. Gradients of keys/values travel around with them in backward.
+
+Backward does not differentiate through the merge. Given the merged output ``O`` and LSE ``L`` of a
+query row, the gradient of each key/value block is what a flash-attention backward computes from that
+block alone using ``O`` and ``L`` in place of its own partial ones, so each block's gradient is recomputed
+independently and summed (the standard flash/ring attention backward).
+"""
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+METHODS = ("allgather", "ring")
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Head-tail layout
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_cp_seq_len(seq_len: int, cp: int, tp: int = 1) -> None:
+    """Raise ``ValueError`` unless ``seq_len`` can be head-tail sharded over ``cp`` ranks.
+
+    The sequence is cut into ``2 * cp`` chunks, so it must be a multiple of ``2 * cp``. Pass ``tp > 1``
+    only when tensor parallelism also shards the sequence (sequence parallel): each rank's ``seq_len / cp``
+    tokens must then split evenly over ``tp`` too.
+    """
+    if cp < 1 or tp < 1:
+        raise ValueError(f"cp={cp} and tp={tp} must both be at least 1")
+    multiple = math.lcm(2 * cp, cp * tp)
+    if seq_len > 0 and seq_len % multiple == 0:
+        return
+    lower = max(seq_len // multiple * multiple, multiple)
+    upper = (max(seq_len, 0) // multiple + 1) * multiple
+    nearest = f"{lower} or {upper}" if lower != upper else f"{lower}"
+    if tp > 1:
+        raise ValueError(f"seq_len {seq_len} does not split over cp={cp} (2*cp chunks) and then tp={tp} "
+                         f"(sequence parallel): it must be a positive multiple of {multiple}, e.g. {nearest}")
+    raise ValueError(f"seq_len {seq_len} must be a positive multiple of 2*cp = {2 * cp} for cp={cp}, "
+                     f"e.g. {nearest}")
+
+
+def _chunk_starts(seq_len: int, cp_rank: int, cp: int) -> tuple[int, int, int]:
+    check_cp_seq_len(seq_len, cp)
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank {cp_rank} is out of range for cp={cp}: expected 0..{cp - 1}")
+    chunk = seq_len // (2 * cp)
+    return chunk, cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+
+
+def shard_sequence(t: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """This rank's head-tail shard of the full-length tensor ``t`` along ``dim``: chunks r and 2*cp-1-r."""
+    chunk, head, tail = _chunk_starts(t.size(dim), cp_rank, cp)
+    return torch.cat([t.narrow(dim, head, chunk), t.narrow(dim, tail, chunk)], dim=dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Reassemble the full sequence from every rank's shard (``shards[r]`` from rank r) along ``dim``."""
+    cp = len(shards)
+    if cp == 0:
+        raise ValueError("unshard_sequence needs at least one shard, got none")
+    heads, tails = zip(*(s.chunk(2, dim=dim) for s in shards))
+    return torch.cat([*heads, *reversed(tails)], dim=dim)
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions (e.g. for RoPE) of the tokens this rank holds, in its local order."""
+    chunk, head, tail = _chunk_starts(seq_len, cp_rank, cp)
+    return torch.cat([torch.arange(head, head + chunk, device=device),
+                      torch.arange(tail, tail + chunk, device=device)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One block of attention: (out, lse) forward and a backward against the merged (out, lse)
+# ----------------------------------------------------------------------------------------------------------
+# q is (B, H, Lq, D), k/v (B, H, Lk, D) already expanded to H heads and in the compute dtype. A "causal"
+# block is square and lies on the diagonal; every other block is computed without a mask. Forward returns
+# out in the compute dtype and lse (B, H, Lq) in float32. The CPU kernel and math blocks are tested against each
+# other; the CUDA wrappers are only checked on meta tensors here, so a CUDA kernel that rejects its inputs at
+# run time falls back to the math block (exact, slower) with a warning rather than failing.
+
+
+def _math_forward(q, k, v, causal, scale):
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_upper_mask(scores), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(_upper_mask(scores), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    delta = (doutf * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (torch.matmul(doutf, vf.transpose(-1, -2)) - delta)
+    dq = torch.matmul(dscores, kf) * scale
+    dk = torch.matmul(dscores.transpose(-1, -2), qf) * scale
+    dv = torch.matmul(probs.transpose(-1, -2), doutf)
+    return dq, dk, dv
+
+
+def _upper_mask(scores):
+    n = scores.size(-1)
+    return torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+
+
+def _cuda_flash_forward(q, k, v, causal, scale):
+    out, lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    # No dropout, so the RNG state is never read; the cumulative lengths are unset as for dense inputs.
+    rng = torch.empty(0, dtype=torch.long, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward.default(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.size(2), k.size(2), 0.0, causal, rng, rng, scale=scale)
+
+
+def _efficient_lse_len(lq: int) -> int:
+    # The memory-efficient kernel pads its LSE rows to a multiple of 32 (not on ROCm).
+    return lq if torch.version.hip else -(-lq // 32) * 32
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale):
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.size(2)]
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    padded = lse.new_zeros(*lse.shape[:-1], _efficient_lse_len(q.size(2)))
+    padded[..., : q.size(2)] = lse
+    seed = torch.zeros((), dtype=torch.long, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+        dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+KERNELS = {
+    "math": (_math_forward, _math_backward),
+    "cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
+    "cuda_flash": (_cuda_flash_forward, _cuda_flash_backward),
+    "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward),
+}
+_failed_kernels: set[tuple[str, torch.dtype]] = set()
+
+
+def _pick_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, use_kernel: bool) -> str:
+    if not use_kernel:
+        return "math"
+    if device.type == "cpu":
+        name = "cpu_flash"
+    elif device.type == "cuda":
+        flash_ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0
+        name = "cuda_flash" if flash_ok else "cuda_efficient"
+    else:
+        name = "math"
+    return "math" if (name, dtype) in _failed_kernels else name
+
+
+def _run_block(kernel: str, backward: bool, *args):
+    """Run a block with ``kernel``; if the kernel rejects these inputs, fall back to the (exact) math path."""
+    if kernel != "math":
+        try:
+            return list(KERNELS[kernel][backward](*args))
+        except (RuntimeError, NotImplementedError) as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            dtype = args[0].dtype
+            _failed_kernels.add((kernel, dtype))
+            warnings.warn(f"context parallel: kernel {kernel} failed for {dtype} ({err}); using the math path",
+                          stacklevel=2)
+    return list(KERNELS["math"][backward](*args))
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    # On CPU the flash kernel's backward is faster in float32 than in bfloat16 (see models/attention.py).
+    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return t.dtype
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CP attention itself
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Ctx:
+    """What both methods share: the group, shapes, kernel choice, and the per-block forward/backward."""
+
+    def __init__(self, group, q, k, method, scale, use_kernel):
+        self.group = group
+        self.cp = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.method = method
+        self.batch, self.heads, self.local_len, self.head_dim = q.shape
+        self.kv_heads = k.size(1)
+        self.chunk = self.local_len // 2
+        self.scale = scale
+        self.dtype = _compute_dtype(q)
+        self.kernel = _pick_kernel(q.device, self.dtype, self.head_dim, use_kernel)
+
+    def expand(self, kv: torch.Tensor) -> torch.Tensor:
+        """(2, B, Hkv, L, D) stacked k/v -> (2, B, H, L, D) in the compute dtype (grouped-query attention)."""
+        kv = kv.to(self.dtype)
+        groups = self.heads // self.kv_heads
+        if groups == 1:
+            return kv
+        two, b, hkv, n, d = kv.shape
+        return kv.unsqueeze(3).expand(two, b, hkv, groups, n, d).reshape(two, b, hkv * groups, n, d)
+
+    def reduce_heads(self, dkv: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``expand`` for gradients: sum each key/value head's query group."""
+        groups = self.heads // self.kv_heads
+        if groups == 1:
+            return dkv
+        two, b, _, n, d = dkv.shape
+        return dkv.view(two, b, self.kv_heads, groups, n, d).sum(3)
+
+    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal):
+        """Attend q[rows] to the block kv = (k, v) and fold the result into the running (out, lse)."""
+        out, lse = _run_block(self.kernel, False, q[:, :, rows].contiguous(), kv[0].contiguous(),
+                              kv[1].contiguous(), causal, self.scale)
+        old_lse = acc_lse[:, :, rows]
+        new_lse = torch.logaddexp(old_lse, lse.float())
+        acc_out[:, :, rows] = (acc_out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                               + out.float() * torch.exp(lse.float() - new_lse).unsqueeze(-1))
+        acc_lse[:, :, rows] = new_lse
+
+    def backward_block(self, dq, dout, q, out, lse, kv, rows, causal):
+        """Add this block's query gradient into ``dq`` and return its (dk, dv) stacked, in float32."""
+        grads = _run_block(self.kernel, True, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
+                           kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
+                           lse[:, :, rows].contiguous(), causal, self.scale)
+        dq[:, :, rows] += grads[0].float()
+        return self.reduce_heads(torch.stack([grads[1].float(), grads[2].float()]))
+
+    # -- ring: which rows of ours attend to which part of the block that started on rank ``src`` -------------
+    def ring_block(self, src: int, kv: torch.Tensor):
+        """(our query rows, part of kv, causal) for our queries against rank ``src``'s keys/values.
+
+        With src == rank the local head+tail layout is itself causal in one square block. A lower rank's
+        head chunk precedes both of our chunks and its tail follows both; a higher rank's chunks both lie
+        between our head and tail, so only our tail sees them. Everything else is above the diagonal.
+        """
+        if src == self.rank:
+            return slice(None), kv, True
+        if src < self.rank:
+            return slice(None), kv[..., : self.chunk, :], False
+        return slice(self.chunk, None), kv, False
+
+    # -- allgather: the full sequence's keys/values in global order --------------------------------------
+    def to_global(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(cp, 2, B, H, 2c, D) rank-major shards -> (2, B, H, S, D) in sequence order."""
+        c = self.chunk
+        chunks = torch.cat([gathered[..., :c, :], gathered[..., c:, :].flip(0)])  # (2cp, 2, B, H, c, D)
+        two, b, h, d = chunks.size(1), chunks.size(2), chunks.size(3), chunks.size(5)
+        return chunks.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, 2 * self.cp * c, d)
+
+    def from_global(self, full: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_global``."""
+        two, b, h, _, d = full.shape
+        chunks = full.view(two, b, h, 2 * self.cp, self.chunk, d).permute(3, 0, 1, 2, 4, 5)
+        return torch.cat([chunks[: self.cp], chunks[self.cp:].flip(0)], dim=-2).contiguous()
+
+    def allgather_blocks(self):
+        """Yield (query rows, key range, causal): each local chunk against all earlier chunks, then itself."""
+        c = self.chunk
+        for rows, index in ((slice(0, c), self.rank), (slice(c, None), 2 * self.cp - 1 - self.rank)):
+            if index > 0:
+                yield rows, slice(0, index * c), False
+            yield rows, slice(index * c, (index + 1) * c), True
+
+    def all_gather(self, kv: torch.Tensor) -> torch.Tensor:
+        """(2, B, Hkv, L, D) -> (cp, 2, B, Hkv, L, D), rank-major. Collectives concatenate along dim 0."""
+        out = kv.new_empty(self.cp * kv.size(0), *kv.shape[1:])
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, kv.contiguous(), group=self.group)
+        return out.view(self.cp, *kv.shape)
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """Sum (cp, 2, B, Hkv, L, D) over the ranks and keep this rank's (2, B, Hkv, L, D)."""
+        full = full.flatten(0, 1)
+        out = full.new_empty(full.size(0) // self.cp, *full.shape[1:])
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            scatter(out, full, group=self.group)
+        except (RuntimeError, NotImplementedError):  # some gloo builds lack reduce-scatter
+            dist.all_reduce(full, group=self.group)
+            out = full.view(self.cp, *out.shape)[self.rank]
+        return out
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, ctx: _Ctx, tag: int):
+    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    nxt, prev = (dist.get_global_rank(ctx.group, (ctx.rank + step) % ctx.cp) for step in (1, -1))
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, ctx.group, tag),
+                                   dist.P2POp(dist.irecv, recv, prev, ctx.group, tag)])
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: _Ctx):
+        kv = torch.stack([k, v]).contiguous()
+        qc = q.to(cp.dtype)
+        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        if cp.method == "allgather" and cp.cp > 1:
+            full = cp.expand(cp.to_global(cp.all_gather(kv)))
+            for rows, keys, causal in cp.allgather_blocks():
+                cp.forward_block(acc_out, acc_lse, qc, full[..., keys, :], rows, causal)
+        else:
+            for step in range(cp.cp):
+                works = None
+                if step < cp.cp - 1:
+                    incoming = torch.empty_like(kv)
+                    works = _exchange(kv, incoming, cp, tag=0)
+                rows, block, causal = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
+                cp.forward_block(acc_out, acc_lse, qc, block, rows, causal)
+                if works is not None:
+                    _wait(works)
+                    kv = incoming
+        out = acc_out.to(cp.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.cp = cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp: _Ctx = ctx.cp
+        kv = torch.stack([k, v]).contiguous()
+        qc, doutc = q.to(cp.dtype), dout.to(cp.dtype)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        args = (dq, doutc, qc, out, lse)
+        if cp.method == "allgather" and cp.cp > 1:
+            # Gather again rather than keep the full-length keys/values alive between forward and backward.
+            full = cp.expand(cp.to_global(cp.all_gather(kv)))
+            dfull = torch.zeros((2, *k.shape[:2], full.size(-2), k.size(-1)), dtype=torch.float32, device=q.device)
+            for rows, keys, causal in cp.allgather_blocks():
+                dfull[..., keys, :] += cp.backward_block(*args, full[..., keys, :], rows, causal)
+            dkv = cp.reduce_scatter(cp.from_global(dfull))
+        else:
+            # The gradient of each key/value block travels the ring with it and arrives home after cp hops.
+            dkv, dkv_works = None, None
+            for step in range(cp.cp):
+                works = None
+                if step < cp.cp - 1:
+                    incoming = torch.empty_like(kv)
+                    works = _exchange(kv, incoming, cp, tag=1)
+                rows, block, causal = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
+                block_grad = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
+                block_grad[..., : block.size(-2), :] = cp.backward_block(*args, block, rows, causal)
+                if dkv_works is not None:
+                    _wait(dkv_works)
+                    block_grad += dkv
+                dkv = block_grad
+                if cp.cp > 1:  # pass it on; the receive is waited for before the next use
+                    dkv = torch.empty_like(block_grad)
+                    dkv_works = _exchange(block_grad, dkv, cp, tag=2)
+                if works is not None:
+                    _wait(works)
+                    kv = incoming
+            if dkv_works is not None:
+                _wait(dkv_works)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def _resolve_group(cp_group_or_mesh):
+    if cp_group_or_mesh is None:
+        return None
+    if isinstance(cp_group_or_mesh, DeviceMesh):
+        if cp_group_or_mesh.ndim != 1:
+            raise ValueError(f"context parallel needs a 1-D cp mesh, got a {cp_group_or_mesh.ndim}-D mesh "
+                             f"{cp_group_or_mesh.mesh_dim_names}; pass mesh['cp'] instead")
+        return cp_group_or_mesh.get_group()
+    if isinstance(cp_group_or_mesh, dist.ProcessGroup):
+        return cp_group_or_mesh
+    raise ValueError(f"cp_group_or_mesh must be a 1-D DeviceMesh, a ProcessGroup or None, "
+                     f"got {type(cp_group_or_mesh).__name__}")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cp_group_or_mesh: DeviceMesh | dist.ProcessGroup | None,
+                               method: str = "allgather", scale: float | None = None, *,
+                               use_kernel: bool = True) -> torch.Tensor:
+    """Causal attention of head-tail sharded q (B, H, L, D) and k/v (B, Hkv, L, D) over a CP group.
+
+    Returns this rank's (B, H, L, D) rows of causal attention over the full, unsharded sequence, with
+    exact gradients for q, k and v. ``Hkv`` must divide ``H`` (grouped-query attention). ``method`` is
+    ``"allgather"`` or ``"ring"`` (see the module docstring); ``scale`` defaults to ``1/sqrt(D)``.
+    ``cp_group_or_mesh`` is the 1-D cp DeviceMesh or its ProcessGroup; None means a single rank.
+    ``use_kernel=False`` forces the pure-PyTorch math blocks instead of the fused SDPA kernels.
+    """
+    if method not in METHODS:
+        raise ValueError(f"context parallel method {method!r} is not one of {', '.join(METHODS)}")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"expected q (B, H, L, D) and k, v of one (B, Hkv, L, D) shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (k.size(0), k.size(2), k.size(3)) != (q.size(0), q.size(2), q.size(3)) or q.size(1) % k.size(1):
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not fit q {tuple(q.shape)}: batch, length and "
+                         f"head_dim must match and the kv heads must divide the {q.size(1)} query heads")
+    if q.size(2) % 2:
+        raise ValueError(f"local sequence length {q.size(2)} must be even (a head and a tail chunk per rank)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.size(-1))
+    ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel)
+    return _CPAttention.apply(q, k, v, ctx)
