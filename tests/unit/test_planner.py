@@ -1,0 +1,99 @@
+"""Planner formula pieces against exact counts of the real model and of what its forward saves."""
+
+import pytest
+import torch
+
+from torchtitan.config import load_config
+from torchtitan.inference import build_model
+from torchtitan.planner import (
+    GIB, PlanError, layer_activation_bytes, model_shape, plan, predict_memory, resolve_layout, uses_autocast,
+)
+
+
+def config(*overrides):
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *overrides])
+    return cfg
+
+
+def test_parameter_bytes_equal_the_real_model_parameter_count():
+    cfg = config("--model.flavor", "tiny", "--training.seq_len", "64")
+    model, _ = build_model(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    m = model_shape(cfg)
+    assert m.params == real
+    memory = plan(cfg, "CPU").memory
+    assert memory.params == real * 4  # fp32 storage
+    assert memory.optimizer == 2 * real * 4  # AdamW: two fp32 moments
+
+
+def test_fsdp_divides_parameters_gradients_and_optimizer_state():
+    cfg = config("--training.seq_len", "256")
+    single = plan(cfg, "H100", world_size=1).memory
+    sharded = plan(cfg, "H100", world_size=8).memory
+    for field in ("params", "optimizer"):
+        assert getattr(sharded, field) == pytest.approx(getattr(single, field) / 8)
+
+
+def test_tensor_parallel_divides_weights_and_per_layer_activations():
+    cfg = config("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "256")
+    m = model_shape(cfg)
+    assert predict_memory(m, cfg, resolve_layout(cfg, 2), on_cpu=False).params == pytest.approx(m.params * 4 / 2)
+    full, split = (layer_activation_bytes(m, cfg, on_cpu=False, tp=tp) for tp in (1, 2))
+    assert split < full
+
+
+def saved_bytes_per_token(cfg, autocast: bool) -> float:
+    """Bytes the first block saves for backward (parameters and their casts excluded), per token."""
+    model, _ = build_model(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {model.rope.untyped_storage().data_ptr()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and t.dim() > 2 or (t.dim() == 2 and t.shape[0] == 2 * 64):
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    tokens = torch.randint(0, 100, (2, 64))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        h = model.tok_embeddings(tokens)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.layers["0"](h, model.rope)
+    return sum(seen.values()) / tokens.numel()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_layer_activation_formula_matches_what_the_forward_saves(precision):
+    cfg = config("--model.flavor", "tiny", "--training.seq_len", "64", "--training.mixed_precision_param", precision)
+    autocast = uses_autocast(cfg)
+    assert autocast == (precision == "bfloat16")
+    assert layer_activation_bytes(model_shape(cfg), cfg, on_cpu=True, tp=1) == saved_bytes_per_token(cfg, autocast)
+
+
+def test_activation_checkpointing_lowers_activations():
+    modes = [("none", "1"), ("selective", "2"), ("full", "1")]
+    totals = [plan(config("--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option",
+                          option), "CPU").memory.activations for mode, option in modes]
+    assert totals[0] > totals[1] > totals[2]
+
+
+def test_405b_does_not_fit_on_one_h100():
+    cfg, _ = load_config(["--job.config_file", "train_configs/llama3_405b.toml"])
+    result = plan(cfg, "H100")
+    assert not result.fits and result.memory.total > 1000 * GIB
+    assert result.memory.params == model_shape(cfg).params * 4
+
+
+def test_step_time_scales_with_tokens_and_recomputation():
+    base = plan(config("--training.seq_len", "256"), "H100")
+    double = plan(config("--training.seq_len", "256", "--training.local_batch_size", "16"), "H100")
+    assert double.step_time_s == pytest.approx(2 * base.step_time_s)
+    recomputed = plan(config("--training.seq_len", "256", "--activation_checkpoint.mode", "full"), "H100")
+    assert 1.2 < recomputed.step_time_s / base.step_time_s < 1.34  # one extra forward of the blocks
+
+
+def test_unknown_device_and_bad_world_size_are_one_line_errors():
+    with pytest.raises(PlanError, match="device 'TPU' is unknown; valid: H100"):
+        plan(config(), "TPU")
+    with pytest.raises(PlanError, match="world size 3"):
+        plan(config("--parallelism.tensor_parallel_degree", "2"), "H100", world_size=3)

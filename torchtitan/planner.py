@@ -1,0 +1,345 @@
+"""Predict per-device memory and step time of a training config before running it.
+
+Memory is the sum of what a training step keeps alive, each term derived from the model's exact
+parameter counts (the model is built on the meta device) and from the tensors the forward saves
+for backward (docs/planning.md lists them op by op). Step time is the training FLOPs a device
+executes divided by its peak FLOP/s times an efficiency. Estimates for pipeline stages and
+selective per-op checkpointing are coarser than the rest; the docs say how.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
+from torchtitan.config.job_config import JobConfig
+from torchtitan.protocols.train_spec import get_train_spec
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Usable memory per device in GiB, from the vendors' data sheets (80 GB parts report ~79.1 GiB to
+# CUDA; we use the nominal size and leave the margin to the user's judgement).
+DEVICE_MEMORY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "B200": 192.0, "MI300X": 192.0}
+# Names the peak-FLOPs table knows the devices by.
+DEVICE_PEAK_NAMES = {"H100": "H100", "H200": "H200", "A100": "A100", "B200": "B200", "MI300X": "MI300X"}
+# Fraction of the dense peak a tuned bf16 training run reaches on GPUs (MFU reported for Llama-style
+# dense models is typically 35-45%).
+GPU_EFFICIENCY = 0.40
+# Fraction of the matmul peak (peak_flops' square-matmul calibration) a small model's training
+# step reaches on CPU: its matmuls are narrow and element-wise work is not negligible. Measured
+# around 20% for the debug model at 8 x 2048 tokens (benchmarks/results/trainer_vs_minimal_loop.md).
+CPU_EFFICIENCY = 0.20
+
+
+class PlanError(ValueError):
+    """The plan cannot be made; the message names the input and what is valid."""
+
+
+@dataclass
+class ModelShape:
+    """Exact parameter counts and the dimensions activations scale with."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    q_dim: int  # n_heads x head_dim
+    kv_dim: int  # kv_heads x head_dim
+    ffn_dim: int
+    vocab: int
+    params: int
+    block_params: int  # one transformer block
+    block_linear_params: int  # its Linear weights (the ones autocast copies to the compute dtype)
+    embedding_params: int
+    output_params: int
+    flops_per_token: float  # training FLOPs per token as the trainer reports it (MFU)
+
+
+@dataclass
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def fsdp(self) -> int:
+        """What FSDP shards parameters, gradients and optimizer state over."""
+        return self.dp_shard * self.cp
+
+
+@dataclass
+class Memory:
+    """Predicted peak bytes per device, by component."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward at the peak (incl. autocast weight copies)
+    transient: float  # short-lived buffers at the peak: logits in the loss, FSDP all-gathers, recompute
+    peak_phase: str
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+@dataclass
+class Plan:
+    device: str
+    capacity_gib: float
+    layout: Layout
+    memory: Memory
+    tokens_per_device: float  # per optimizer step
+    flops_per_device: float  # per optimizer step, recomputation included
+    peak_tflops: float
+    efficiency: float
+    step_time_s: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_gib * GIB
+
+
+def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
+    """Counts from the config's model built on the meta device (free even for 405B)."""
+    spec = get_train_spec(cfg.model.name)
+    flavor = spec.flavors[cfg.model.flavor]
+    if vocab_size is None and getattr(flavor, "vocab_size", None) is None:
+        vocab_size = spec.build_tokenizer_fn(cfg.model.hf_assets_path).vocab_size
+    args = flavor.finalize(vocab_size or flavor.vocab_size, cfg.training.seq_len)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    block = next(iter(model.layers.values()))
+    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    params = sum(p.numel() for p in model.parameters())
+    return ModelShape(
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
+        kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, vocab=args.vocab_size, params=params,
+        block_params=sum(p.numel() for p in block.parameters()),
+        block_linear_params=sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)),
+        embedding_params=embedding,
+        output_params=0 if args.tie_embeddings else model.output.weight.numel(),
+        flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
+    )
+
+
+def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
+    p = cfg.parallelism
+    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+    others *= p.pipeline_parallel_degree
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % others:
+            raise PlanError(f"world size {world_size} is not divisible by replicate x cp x tp x pp = {others}")
+        shard = world_size // others
+    layout = Layout(p.data_parallel_replicate_degree, shard, p.context_parallel_degree,
+                    p.tensor_parallel_degree, p.pipeline_parallel_degree)
+    if layout.world_size != world_size:
+        raise PlanError(f"the parallel degrees multiply to {layout.world_size}, not the world size {world_size}")
+    return layout
+
+
+def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int) -> float:
+    """Bytes one transformer block saves for backward, per token (see docs/planning.md)."""
+    c = DTYPE_BYTES[cfg.training.mixed_precision_param]
+    autocast = uses_autocast(cfg)
+    # CPU attention upcasts low-precision q/k/v to fp32 (torchtitan.models.attention); GPUs keep c.
+    a = 4 if on_cpu else c
+    d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
+    attention = a * (2 * q + 2 * kv) + 4 * h  # q, k, v, output, and fp32 log-sum-exp per head
+    # The output projection gets its own copy of the attention output when it is cast back to c.
+    wo_input = c * q if a != c else 0
+    ffn = 4 * c * f  # w1 out, silu out, w3 out, w2 input
+    if autocast:
+        # fp32 residual: each RMSNorm saves its input, 1/rms, the normalised x (fp32), and every
+        # Linear saves its own compute-dtype cast of its input (q, k, v and w1, w3: 5 casts).
+        norms = 2 * (4 * d + 4 + 4 * d)
+        linear_inputs = 5 * c * d
+    else:
+        norms = 2 * (c * d + 4 + c * d)
+        linear_inputs = 2 * c * d  # q/k/v share one input, w1/w3 another
+    return norms + linear_inputs + attention + wo_input + ffn
+
+
+def uses_autocast(cfg: JobConfig, fsdp: bool = False) -> bool:
+    """The trainer autocasts when FSDP is off and the compute dtype differs from the storage dtype."""
+    return not fsdp and cfg.training.mixed_precision_param != cfg.training.dtype
+
+
+def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) -> Memory:
+    t = cfg.training
+    s, c = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.mixed_precision_param]
+    fsdp = layout.fsdp > 1
+    tp, pp = layout.tp, layout.pp
+    autocast = uses_autocast(cfg, fsdp)
+    layers = math.ceil(m.n_layers / pp)
+    # Parameters on this device: blocks split by TP (norm weights are small and counted as split
+    # too), layers split by PP; the first stage holds the embedding, the last the final norm and
+    # output: take the larger of the two for the busiest stage. FSDP shards all of it.
+    outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
+    head_params = max(m.embedding_params, outside_blocks - m.embedding_params) if pp > 1 else outside_blocks
+    params_local = (layers * m.block_params + head_params) / tp / layout.fsdp
+    params = params_local * s
+    grads = params_local * s
+    optimizer = 2 * params_local * s if cfg.optimizer.name in ("AdamW", "Adam") else 0
+
+    tokens = t.local_batch_size * t.seq_len / layout.cp  # one micro-batch
+    # 1F1B keeps up to pp micro-batches in flight on the first stage.
+    in_flight = min(pp, max(1, grad_accum_steps(cfg, layout))) if pp > 1 else 1
+    full_layer = layer_activation_bytes(m, cfg, on_cpu, tp) * tokens
+    residual = (4 if autocast else c) * m.dim * tokens  # a checkpointed block saves only its input
+    weight_copies = c * m.block_linear_params / tp if autocast else 0  # autocast's casts, saved by matmuls
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        checkpointed = 0
+    elif ac.mode == "full" or ac.selective_ac_option == "op":
+        checkpointed = layers
+    else:
+        checkpointed = math.ceil(layers / int(ac.selective_ac_option))
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        # Attention outputs and about half of the matmul outputs are kept (the every-other-matmul
+        # rule alternates between blocks); the rest is recomputed.
+        matmul_outputs = c * (m.q_dim + 2 * m.kv_dim + m.dim + 2 * m.ffn_dim + m.dim) / tp / 2
+        kept = residual + (4 if on_cpu else c) * m.q_dim / tp * tokens + matmul_outputs * tokens
+    else:
+        kept = residual
+    stored = (checkpointed * kept + (layers - checkpointed) * (full_layer + weight_copies)) * in_flight
+
+    # The model's head: the final norm and the output layer's input, then the loss's fp32
+    # log-probabilities (kept for backward); while the loss runs forward and its backward starts,
+    # two more fp32 logit-sized buffers are alive. Under TP with loss parallel the vocab is split.
+    vocab = m.vocab / tp
+    norm = (2 * 4 * m.dim + 4) if autocast else (2 * c * m.dim + 4)
+    head_saved = (norm + c * m.dim + 4 * vocab) * tokens + (c * m.output_params / tp if autocast else 0)
+    loss_transient = 2 * 4 * vocab * tokens
+    # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one.
+    gathered = 2 * c * m.block_params / tp if fsdp else 0
+
+    static = params + optimizer
+    phases = {
+        "loss (end of forward)": (0, stored + head_saved, loss_transient + gathered),
+        # Backward of the last block recomputes its full activations, with the output layer's
+        # gradient already allocated and the head's saved tensors already freed.
+        "recompute in backward": (
+            m.output_params * s / tp / layout.fsdp,
+            stored,
+            (full_layer + weight_copies + gathered) if checkpointed else 0,
+        ),
+        "optimizer step": (grads, 0, gathered / 2),
+    }
+    phase, (grad_bytes, act_bytes, transient_bytes) = max(phases.items(), key=lambda kv: sum(kv[1]))
+    return Memory(params=params, grads=grad_bytes, optimizer=optimizer, activations=act_bytes,
+                  transient=transient_bytes, peak_phase=phase)
+
+
+def grad_accum_steps(cfg: JobConfig, layout: Layout) -> int:
+    t = cfg.training
+    dp = layout.dp_replicate * layout.dp_shard
+    return 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp)
+
+
+def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: Layout) -> tuple[float, float]:
+    """(tokens, FLOPs executed incl. recomputation) one device processes per training step.
+
+    Unlike the MFU convention (flops_per_token), the causal mask is discounted: attention kernels
+    skip the masked half of the score matrix, so they execute half the attention FLOPs.
+    """
+    t = cfg.training
+    dp = layout.dp_replicate * layout.dp_shard
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    tokens = global_batch * t.seq_len / layout.world_size
+    attention = 12 * m.n_layers * m.q_dim * t.seq_len / 2
+    weights = m.flops_per_token - 12 * m.n_layers * m.q_dim * t.seq_len  # 6 x non-embedding params
+    block_flops = weights - 6 * m.output_params + attention
+    # A recomputed block repeats its forward: a third of its forward + backward FLOPs.
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none":
+        recomputed = 0.0
+    elif ac.mode == "full":
+        recomputed = 1.0
+    elif ac.selective_ac_option == "op":
+        recomputed = 0.5  # about half the matmuls are recomputed
+    else:
+        recomputed = math.ceil(m.n_layers / int(ac.selective_ac_option)) / m.n_layers
+    flops = (weights + attention + block_flops * recomputed / 3) * tokens
+    return tokens, flops
+
+
+def cpu_memory_gib() -> float:
+    """The machine's RAM, the capacity on CPU."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / GIB
+    raise PlanError("cannot read MemTotal from /proc/meminfo")
+
+
+def device_capacity_and_peak(device: str, compute_dtype: str) -> tuple[float, float]:
+    """(memory GiB, peak TFLOP/s in compute_dtype) of one device."""
+    if device == "CPU":
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[compute_dtype]
+        return cpu_memory_gib(), cpu_machine_peak_tflops(dtype)
+    if device not in DEVICE_MEMORY_GIB:
+        raise PlanError(f"device {device!r} is unknown; valid: {', '.join([*DEVICE_MEMORY_GIB, 'CPU'])}")
+    peak = gpu_peak_tflops(DEVICE_PEAK_NAMES[device], compute_dtype)
+    if peak is None:
+        raise PlanError(f"no peak FLOP/s known for {device} in {compute_dtype}")
+    return DEVICE_MEMORY_GIB[device], peak
+
+
+def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | None = None,
+         vocab_size: int | None = None, peak_tflops: float | None = None) -> Plan:
+    """The prediction for ``cfg`` on ``world_size`` devices of kind ``device``.
+
+    ``peak_tflops`` replaces the device's peak (e.g. a matmul throughput just measured on a busy CPU).
+    """
+    device = device.upper() if device.upper() in (*DEVICE_MEMORY_GIB, "CPU") else device
+    capacity, peak = device_capacity_and_peak(device, cfg.training.mixed_precision_param)
+    peak = peak_tflops or peak
+    layout = resolve_layout(cfg, world_size)
+    m = model_shape(cfg, vocab_size)
+    memory = predict_memory(m, cfg, layout, on_cpu=device == "CPU")
+    tokens, flops = step_flops_per_device(m, cfg, layout)
+    if efficiency is None:
+        efficiency = GPU_EFFICIENCY if device != "CPU" else CPU_EFFICIENCY
+    if not 0 < efficiency <= 1:
+        raise PlanError(f"efficiency = {efficiency} is invalid; it must be in (0, 1]")
+    step_time = flops / (peak * 1e12 * efficiency)
+    return Plan(device=device, capacity_gib=capacity, layout=layout, memory=memory, tokens_per_device=tokens,
+                flops_per_device=flops, peak_tflops=peak, efficiency=efficiency, step_time_s=step_time)
+
+
+def format_plan(p: Plan) -> str:
+    mem = p.memory
+    rows = [
+        ("parameters", mem.params), ("gradients", mem.grads), ("optimizer state", mem.optimizer),
+        ("activations", mem.activations), ("transient buffers", mem.transient), ("total", mem.total),
+    ]
+    lay = p.layout
+    lines = [
+        f"device: {p.device} ({p.capacity_gib:.1f} GiB, {p.peak_tflops:.3g} TFLOP/s peak)   "
+        f"layout: world {lay.world_size} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
+        f"cp {lay.cp} x tp {lay.tp} x pp {lay.pp}",
+        "",
+        f"| {'memory per device':<20} | {'GiB':>10} |",
+        f"|{'-' * 22}|{'-' * 12}|",
+        *(f"| {name:<20} | {value / GIB:>10.3f} |" for name, value in rows),
+        "",
+        f"peak phase: {mem.peak_phase}",
+        f"step time: {p.step_time_s:.3f} s  ({p.tokens_per_device:,.0f} tokens/device, "
+        f"{p.flops_per_device / 1e12:.3f} TFLOP/device, at {p.efficiency:.0%} of peak)",
+    ]
+    if p.fits:
+        lines.append(f"fits: {mem.total / GIB:.2f} of {p.capacity_gib:.1f} GiB ({mem.total / GIB / p.capacity_gib:.0%})")
+    else:
+        lines.append(f"DOES NOT FIT: needs {mem.total / GIB:.2f} GiB per device, the {p.device} has "
+                     f"{p.capacity_gib:.1f} GiB")
+    return "\n".join(lines)
