@@ -69,19 +69,33 @@ class Trainer:
                                                                training.seq_len)
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token; {self.parallel_dims}")
-        model = spec.parallelize_fn(model, self.parallel_dims, cfg)
-        model.to_empty(device=self.device)
-        model.to(DTYPES[training.dtype])
-        model.init_weights(cfg.debug.seed, buffer_device=self.device)
-        model.train()
-        self.model_parts = [model]
+        self.loss_fn = spec.build_loss_fn(
+            compile_loss=cfg.compile.enable and "loss" in cfg.compile.components, backend=cfg.compile.backend
+        )
+
+        def prepare(part: torch.nn.Module) -> torch.nn.Module:
+            part = spec.parallelize_fn(part, self.parallel_dims, cfg)
+            part.to_empty(device=self.device)
+            part.to(DTYPES[training.dtype])
+            part.init_weights(cfg.debug.seed, buffer_device=self.device)
+            return part.train()
+
+        self.pipeline = None
+        if self.parallel_dims.pp_enabled:
+            # Each rank keeps only its stages; the schedule computes the loss on the last one.
+            self.pipeline = spec.pipelining_fn(
+                model, cfg.parallelism, self.parallel_dims.submesh("pp"), self.device,
+                n_microbatches=training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size,
+                prepare_part=prepare,
+                loss_fn=lambda logits, labels, global_valid_tokens: self.loss_fn(logits, labels, global_valid_tokens),
+            )
+            self.model_parts = self.pipeline.model_parts
+        else:
+            self.model_parts = [prepare(model)]
 
         # Optimisation.
         self.optimizer = spec.build_optimizer_fn(self.model_parts, cfg.optimizer)
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, training.steps)
-        self.loss_fn = spec.build_loss_fn(
-            compile_loss=cfg.compile.enable and "loss" in cfg.compile.components, backend=cfg.compile.backend
-        )
         # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
         # requested precision through autocast.
         compute_dtype = DTYPES[training.mixed_precision_param]
@@ -156,24 +170,41 @@ class Trainer:
         # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
         local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
-        model = self.model_parts[0]
         step_loss = torch.zeros((), device=self.device)
         for input_ids, labels in microbatches:
             input_ids = input_ids.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
+            if self.pipeline is not None:
+                step_loss += self._pipeline_forward_backward(input_ids, labels, global_tokens)
+                continue
             with self.autocast():
-                logits = model(input_ids)
+                logits = self.model_parts[0](input_ids)
             with loss_parallel_context(self.loss_parallel):
                 loss = self.loss_fn(logits, labels, global_tokens)
                 del logits  # the largest activation; free it before backward allocates gradients
                 loss.backward()
             step_loss += to_local_scalar(loss.detach())
         params = [p for part in self.model_parts for p in part.parameters()]
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm)
+        pp_mesh = self.parallel_dims.submesh("pp")
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
         self.optimizer.step()
         self.converters.post_optimizer_hook(self.model_parts)
         self.lr_scheduler.step()
-        return sum_over(step_loss, self.loss_mesh), grad_norm
+        # Only the ranks holding the last stage have a loss; the others add zero.
+        return sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh), grad_norm
+
+    def _pipeline_forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                                   global_tokens: torch.Tensor) -> torch.Tensor:
+        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its loss sum."""
+        pipe = self.pipeline
+        losses = [] if pipe.has_last_stage else None
+        inputs = (input_ids,) if pipe.has_first_stage else ()
+        with self.autocast(), loss_parallel_context(self.loss_parallel):
+            pipe.schedule.step(*inputs, target=labels if pipe.has_last_stage else None, losses=losses,
+                               loss_kwargs={"global_valid_tokens": global_tokens}, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([to_local_scalar(loss.detach()) for loss in losses]).sum()
 
     @property
     def step(self) -> int:

@@ -96,14 +96,24 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
+    """Optimizer state keyed by parameter name ("state.layers.0.….exp_avg"), one entry per parameter.
+
+    Flattened so that every rank contributes only its own parameters' entries: with pipeline
+    parallelism the ranks hold different parameters, and the checkpoint loads under any layout.
+    """
+
+    OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model_parts[0], optimizer
+        from torchtitan.distributed.pipeline_parallel import merged_view
+
+        self.model, self.optimizer = merged_view(model_parts), optimizer
 
     def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.OPTIONS)
 
     def load_state_dict(self, state: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self.OPTIONS)
 
 
 class LRSchedulerState(Stateful):

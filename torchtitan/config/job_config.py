@@ -127,11 +127,17 @@ class Parallelism:
     disable_loss_parallel: bool = option(False, "Gather logits before the loss under TP")
     enable_async_tensor_parallel: bool = option(False, "Overlap TP communication (needs compile on CUDA)")
     pipeline_parallel_degree: int = option(1, "Pipeline stages")
-    pipeline_parallel_schedule: str = option("1F1B", "Pipeline schedule name")
-    pipeline_parallel_schedule_csv: str | None = option(None, "CSV file with a custom pipeline schedule")
+    pipeline_parallel_schedule: str = option(
+        "1F1B", "Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV")
+    pipeline_parallel_schedule_csv: str | None = option(
+        None, "CSV of a custom schedule (one row of actions like 0F1, 1B0 per pp rank); overrides the schedule name")
     pipeline_parallel_microbatch_size: int = option(1, "Sequences per pipeline micro-batch")
-    pipeline_parallel_layers_per_stage: int | None = option(None, "Transformer blocks per pipeline stage")
-    module_fqns_per_model_part: list[str] | None = option(None, "Explicit module names per pipeline stage")
+    pipeline_parallel_layers_per_stage: int | None = option(
+        None, "Layers per pipeline stage, counting the embedding and output as layers (sets the stage count)")
+    module_fqns_per_model_part: list[list[str]] | None = option(
+        None, "Module names of each pipeline stage, e.g. [['tok_embeddings', 'layers.0'], ['layers.1', 'norm', "
+        "'output']]")
     pipeline_parallel_first_stage_less_layers: int = option(1, "Layers the first stage gives up (embedding)")
     pipeline_parallel_last_stage_less_layers: int = option(1, "Layers the last stage gives up (output)")
     context_parallel_degree: int = option(1, "Context-parallel degree (sequence sharding)")

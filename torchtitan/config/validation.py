@@ -169,6 +169,65 @@ def _check_model(c: _Checker) -> None:
     model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
     c.require("model.flavor", model_vocab >= tokenizer_vocab,
               f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
+    if c.cfg.parallelism.pipeline_parallel_degree > 1:
+        _check_pipeline(c, spec, args)
+
+
+def _check_pipeline(c: _Checker, spec, args) -> None:
+    from torchtitan.distributed import pipeline_parallel as pipe
+
+    p, t = c.cfg.parallelism, c.cfg.training
+    pp, key = p.pipeline_parallel_degree, "parallelism.pipeline_parallel_degree"
+    c.require(key, spec.pipelining_fn is not None, f"is not supported by model.name = {c.cfg.model.name!r} "
+              "(its TrainSpec has no pipelining_fn)")
+    c.require(key, not getattr(args, "tie_embeddings", False),
+              f"cannot split model.flavor = {c.cfg.model.flavor!r}: it ties the embedding and output weights, "
+              "which live on different stages; use an untied flavor")
+    c.not_yet("validation.enable", c.cfg.validation.enable, "validation with pipeline parallelism")
+    csv_path = p.pipeline_parallel_schedule_csv
+    if csv_path is None:
+        c.require("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule in pipe.SCHEDULES,
+                  f"is unknown; valid: {', '.join(pipe.SCHEDULES)}")
+    else:
+        c.require("parallelism.pipeline_parallel_schedule_csv", Path(csv_path).is_file(), "does not exist")
+        try:
+            rows = len(pipe.csv_stage_ranks(csv_path))
+        except Exception as e:  # a malformed action must still give the one-line error
+            c.fail("parallelism.pipeline_parallel_schedule_csv", f"cannot be read: {type(e).__name__}: {e}")
+        c.require("parallelism.pipeline_parallel_schedule_csv", rows == pp,
+                  f"has {rows} rows but there are {pp} pipeline ranks; write one row of actions per rank")
+    mbs = p.pipeline_parallel_microbatch_size
+    c.require("parallelism.pipeline_parallel_microbatch_size", mbs >= 1 and t.local_batch_size % mbs == 0,
+              f"must be >= 1 and divide training.local_batch_size = {t.local_batch_size}")
+    c.require("parallelism.pipeline_parallel_layers_per_stage",
+              p.pipeline_parallel_layers_per_stage is None or p.pipeline_parallel_layers_per_stage >= 1,
+              "is invalid; it must be >= 1 or unset")
+    num_stages = pipe.count_stages(p, args.n_layers)
+    schedule = "the CSV schedule" if csv_path else f"schedule {p.pipeline_parallel_schedule}"
+    if csv_path is None:
+        per_rank = num_stages / pp
+        if pipe.is_single_stage(p.pipeline_parallel_schedule):
+            ok, need = num_stages == pp, f"exactly {pp} stages (one per rank)"
+        elif p.pipeline_parallel_schedule in pipe.V_SCHEDULES:
+            ok, need = num_stages == 2 * pp, f"exactly {2 * pp} stages (two per rank)"
+        else:
+            ok, need = per_rank == int(per_rank), f"a multiple of {pp} stages"
+        c.require("parallelism.pipeline_parallel_schedule", ok,
+                  f"needs {need}, but the layer settings give {num_stages}; change "
+                  "pipeline_parallel_layers_per_stage or module_fqns_per_model_part")
+    microbatches = t.local_batch_size // mbs
+    if csv_path is not None:
+        in_csv = pipe.csv_microbatches(csv_path)
+        c.require("parallelism.pipeline_parallel_schedule_csv", in_csv == microbatches,
+                  f"schedules {in_csv} micro-batches per step, but training.local_batch_size {t.local_batch_size} / "
+                  f"pipeline_parallel_microbatch_size {mbs} gives {microbatches}; make them agree")
+    c.require("parallelism.pipeline_parallel_microbatch_size", microbatches >= num_stages,
+              f"gives {microbatches} micro-batches (training.local_batch_size {t.local_batch_size} / {mbs}), fewer "
+              f"than the {num_stages} stages of {schedule}; raise local_batch_size or lower the micro-batch size")
+    try:
+        pipe.stage_module_names(p, args.n_layers, num_stages)
+    except ValueError as e:
+        c.fail(key, f"cannot be laid out: {e}")
 
 
 def _check_converters(c: _Checker) -> None:
@@ -230,7 +289,6 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    c.not_yet("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree > 1, "pipeline parallelism")
     c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")

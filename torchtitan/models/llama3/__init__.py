@@ -4,6 +4,7 @@ from torchtitan.models.llama3.args import Llama3ModelArgs, llama3_flavors
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 register_train_spec(
@@ -12,6 +13,7 @@ register_train_spec(
         model_cls=Transformer,
         flavors=llama3_flavors,
         parallelize_fn=parallelize_llama,
+        pipelining_fn=build_pipeline,
         state_dict_adapter=Llama3StateDictAdapter,
     ),
 )

@@ -8,6 +8,7 @@ from torchtitan.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan.models.qwen3.model import Qwen3Model
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 register_train_spec(
@@ -16,6 +17,7 @@ register_train_spec(
         model_cls=Qwen3Model,
         flavors=qwen3_flavors,
         parallelize_fn=parallelize_qwen3,
+        pipelining_fn=build_pipeline,
         state_dict_adapter=Qwen3StateDictAdapter,
     ),
 )

@@ -1,0 +1,106 @@
+"""Pipeline parallelism on CPU/gloo trains the same numbers as a single process (fp32, 6 steps, global batch 8)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_command, run_module
+from tests.integration.test_distributed import COMMON, CONFIG, assert_matches, read_rows, reference  # noqa: F401
+from torchtitan.distributed.pipeline_parallel import SCHEDULES
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+def train(dump: Path, nproc: int, flags: list[str], config: str = CONFIG, common=COMMON) -> list[dict]:
+    result = run_command(["./run_train.sh", *common, *flags, f"--job.dump_folder={dump}"],
+                         env={"NGPU": str(nproc), "CONFIG_FILE": config})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return read_rows(dump)
+
+
+def one_f_one_b_csv(path: Path, pp: int, microbatches: int) -> Path:
+    """1F1B written out by hand: rank r warms up with pp-1-r forwards, then alternates, then drains."""
+    rows = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, microbatches)
+        actions = [f"{r}F{i}" for i in range(warmup)]
+        for i in range(microbatches - warmup):
+            actions += [f"{r}F{warmup + i}", f"{r}B{i}"]
+        actions += [f"{r}B{i}" for i in range(microbatches - warmup, microbatches)]
+        rows.append(",".join(actions))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_matches_single_process(tmp_path, reference, schedule):  # noqa: F811
+    rows = train(tmp_path, 2, ["--training.local_batch_size", "8", *PP2,
+                               "--parallelism.pipeline_parallel_schedule", schedule])
+    assert_matches(rows, reference)
+
+
+LAYOUTS = {
+    "pp2_accum2": (2, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_microbatch2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "pp2_fsdp2": (4, ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"]),
+    "pp2_tp2": (4, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipeline_compositions_match_single_process(tmp_path, reference, layout):  # noqa: F811
+    nproc, flags = LAYOUTS[layout]
+    assert_matches(train(tmp_path, nproc, [*flags, *PP2]), reference)
+
+
+@pytest.mark.slow
+def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(tmp_path):
+    flags = ["--training.local_batch_size", "8", *PP2]
+    builtin = train(tmp_path / "1f1b", 2, flags)
+    csv = one_f_one_b_csv(tmp_path / "1f1b.csv", pp=2, microbatches=8)
+    custom = train(tmp_path / "csv", 2, [*flags, "--parallelism.pipeline_parallel_schedule_csv", str(csv)])
+    assert [r["loss"] for r in custom] == pytest.approx([r["loss"] for r in builtin], rel=1e-6)
+    assert [r["grad_norm"] for r in custom] == pytest.approx([r["grad_norm"] for r in builtin], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
+    common = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
+              "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
+    config = "train_configs/tiny.toml"
+    single = tmp_path / "single"
+    result = run_module("torchtitan.train", "--job.config_file", config, *common, "--training.local_batch_size", "8",
+                        f"--job.dump_folder={single}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = train(tmp_path / "3d", 8, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                                      *PP2], config=config, common=common)
+    expected = read_rows(single)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for ours, ref in zip(rows, expected):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, target", [(PP2, []), ([], [*PP2, "--parallelism.pipeline_parallel_schedule",
+                                                               "Interleaved1F1B"])], ids=["pp2_to_pp1", "pp1_to_pp2"])
+def test_checkpoint_moves_between_pipeline_layouts(tmp_path, source, target):
+    """Saved at step 3 under one layout, resumed under the other: steps 4-6 match the uninterrupted run."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "3", "--training.local_batch_size", "8"]
+    straight = train(tmp_path / "straight", 2 if source else 1, [*ckpt, *source])
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    os.system(f"cp -r {tmp_path}/straight/checkpoint/step-3 {resumed}/checkpoint/")
+    result = run_command(["./run_train.sh", *COMMON, *ckpt, *target, f"--job.dump_folder={resumed}"],
+                         env={"NGPU": "2" if target else "1", "CONFIG_FILE": CONFIG})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from step 3" in result.stdout + result.stderr
+    rows = read_rows(resumed)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    for ours, ref in zip(rows, straight[3:]):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]

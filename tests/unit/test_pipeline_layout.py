@@ -1,0 +1,92 @@
+"""Pipeline stage split, placement and the config errors for layouts that cannot run."""
+
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config import ConfigError, load_config
+from torchtitan.config.validation import validate_config
+from torchtitan.distributed.pipeline_parallel import SCHEDULES, csv_stage_ranks, split_layers, stage_placement
+
+
+def config(*flags):
+    cfg, sources = load_config(["--job.config_file", "train_configs/debug_model.toml",
+                                "--parallelism.pipeline_parallel_degree", "2", *flags])
+    return cfg, sources
+
+
+def test_even_split_counts_the_embedding_and_output_as_layers():
+    assert split_layers(6, 2, 1, 1) == [["tok_embeddings", "layers.0", "layers.1", "layers.2"],
+                                        ["layers.3", "layers.4", "layers.5", "norm", "output"]]
+    stages = split_layers(6, 4, 1, 1)
+    assert [len([n for n in s if n.startswith("layers.")]) for s in stages] == [1, 2, 2, 1]
+    # Every block appears exactly once, in order.
+    blocks = [n for s in split_layers(13, 5, 1, 1) for n in s if n.startswith("layers.")]
+    assert blocks == [f"layers.{i}" for i in range(13)]
+    with pytest.raises(ValueError, match="8 pipeline stages need more than the model's 6 transformer blocks"):
+        split_layers(6, 8, 1, 1)
+
+
+def test_placement_single_looped_and_v():
+    cfg, _ = config()
+    assert stage_placement(cfg.parallelism, 6) == {0: [0], 1: [1]}
+    cfg, _ = config("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+    assert stage_placement(cfg.parallelism, 6) == {0: [0, 2], 1: [1, 3]}
+    for v in ("ZBVZeroBubble", "DualPipeV"):
+        cfg, _ = config("--parallelism.pipeline_parallel_schedule", v)
+        assert stage_placement(cfg.parallelism, 6) == {0: [0, 3], 1: [1, 2]}
+    cfg, _ = config("--parallelism.pipeline_parallel_schedule", "LoopedBFS",
+                    "--parallelism.pipeline_parallel_layers_per_stage", "1")
+    assert stage_placement(cfg.parallelism, 6) == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
+
+
+def test_csv_placement(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")
+    assert csv_stage_ranks(path) == {0: [0, 2], 1: [1, 3]}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_validates_for_the_debug_model(schedule):
+    validate_config(*config("--parallelism.pipeline_parallel_schedule", schedule), world_size=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallelism.pipeline_parallel_schedule", "Bogus"], "pipeline_parallel_schedule = 'Bogus' is unknown; valid: GPipe"),
+    (["--training.local_batch_size", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     "gives 2 micro-batches (training.local_batch_size 2 / 1), fewer than the 4 stages"),
+    (["--parallelism.pipeline_parallel_microbatch_size", "3"], "must be >= 1 and divide training.local_batch_size = 8"),
+    (["--parallelism.pipeline_parallel_schedule", "LoopedBFS", "--parallelism.pipeline_parallel_layers_per_stage",
+      "1", "--training.local_batch_size", "4"], "fewer than the 8 stages"),
+    (["--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_layers_per_stage", "2"],
+     "needs exactly 2 stages (one per rank), but the layer settings give 4"),
+    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage",
+      "1", "--training.local_batch_size", "16"], "needs exactly 4 stages (two per rank), but the layer settings give 8"),
+    (["--parallelism.pipeline_parallel_first_stage_less_layers", "8"], "cannot be laid out: 2 pipeline stages need more"),
+    (["--validation.enable"], "validation.enable = True is not supported yet (validation with pipeline parallelism)"),
+])
+def test_layouts_that_cannot_run_are_config_errors(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        validate_config(*config(*flags), world_size=2)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_stage_module_names_and_csv_rows(tmp_path):
+    toml = tmp_path / "pp.toml"
+    toml.write_text(f'extends = "{Path("train_configs/debug_model.toml").resolve()}"\n'
+                    '[parallelism]\npipeline_parallel_degree = 2\n'
+                    'module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.9", "norm", "output"]]\n')
+    cfg, sources = load_config(["--job.config_file", str(toml)])
+    with pytest.raises(ConfigError, match=r"names \['layers.9'\], which are not modules of the model"):
+        validate_config(cfg, sources, world_size=2)
+    csv = tmp_path / "three.csv"
+    csv.write_text("0F0\n1F0\n2F0\n")
+    with pytest.raises(ConfigError, match="has 3 rows but there are 2 pipeline ranks"):
+        validate_config(*config("--parallelism.pipeline_parallel_schedule_csv", str(csv)), world_size=2)
+
+
+def test_tied_embeddings_cannot_be_pipelined():
+    cfg, sources = load_config(["--job.config_file", "train_configs/qwen3_debug.toml", "--model.flavor", "0.6B",
+                                "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="ties the embedding and output weights"):
+        validate_config(cfg, sources, world_size=2)

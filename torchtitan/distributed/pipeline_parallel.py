@@ -1,0 +1,211 @@
+"""Pipeline parallelism: cut a decoder into stages, place them on the pp ranks, run a torch schedule.
+
+The model is cut by module names ("tok_embeddings", "layers.3", "norm", "output"), so each stage is
+the same model class with the other modules removed: parameter names stay the names of the whole
+model, and checkpoints, initialisation and the HF adapters do not know about stages. The embedding
+and the output projection count as weight-bearing layers in the even split (see
+``pipeline_parallel_first_stage_less_layers``), so the first and last stages get fewer blocks.
+
+Placement: single-stage schedules put stage r on rank r; looped schedules put stage s on rank
+s % pp (round-robin); V schedules (ZBVZeroBubble, DualPipeV) pair stage r with stage 2*pp-1-r so
+the first and last stages share rank 0. A CSV schedule says itself which stages each rank runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _Action,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from torchtitan.config.job_config import Parallelism
+
+# The schedules users pick by name (all in torch 2.13), and which of them run several stages per rank.
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def is_single_stage(schedule: str) -> bool:
+    return issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
+
+
+def read_schedule_csv(path: str | Path) -> list[list[_Action]]:
+    """The compute actions of each rank (one CSV row per pp rank, cells like 0F3, 1B2, 0I1, 0W1)."""
+    with open(path, newline="") as f:
+        return [[a for a in map(_Action.from_str, row) if a is not None] for row in csv.reader(f)]
+
+
+def csv_stage_ranks(path: str | Path) -> dict[int, list[int]]:
+    """{rank: stage indices it computes} in a schedule CSV."""
+    return {rank: sorted({a.stage_index for a in row}) for rank, row in enumerate(read_schedule_csv(path))}
+
+
+def csv_microbatches(path: str | Path) -> int:
+    """How many micro-batches a schedule CSV runs per step."""
+    return 1 + max((a.microbatch_index for row in read_schedule_csv(path) for a in row
+                    if a.microbatch_index is not None), default=-1)
+
+
+def count_stages(p: Parallelism, n_layers: int) -> int:
+    """How many stages the model is cut into, from the CSV, the explicit parts, the layer count per stage,
+    or else the schedule (one stage per rank for single-stage schedules, two for the others)."""
+    if p.pipeline_parallel_schedule_csv:
+        return sum(len(stages) for stages in csv_stage_ranks(p.pipeline_parallel_schedule_csv).values())
+    if p.module_fqns_per_model_part:
+        return len(p.module_fqns_per_model_part)
+    if p.pipeline_parallel_layers_per_stage:
+        total = n_layers + p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+        return math.ceil(total / p.pipeline_parallel_layers_per_stage)
+    pp = p.pipeline_parallel_degree
+    return pp if is_single_stage(p.pipeline_parallel_schedule) else 2 * pp
+
+
+def stage_placement(p: Parallelism, n_layers: int) -> dict[int, list[int]]:
+    """{pp rank: the stage indices it holds}, for a stage count config validation accepted."""
+    pp = p.pipeline_parallel_degree
+    if p.pipeline_parallel_schedule_csv:
+        return csv_stage_ranks(p.pipeline_parallel_schedule_csv)
+    num_stages = count_stages(p, n_layers)
+    if p.pipeline_parallel_schedule in V_SCHEDULES:
+        return {r: [r, num_stages - 1 - r] for r in range(pp)}
+    return {r: list(range(r, num_stages, pp)) for r in range(pp)}
+
+
+def split_layers(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[list[str]]:
+    """Module names of each stage: an even split of the blocks plus the embedding and output "layers".
+
+    Raises ValueError when some stage would hold no transformer block.
+    """
+    total = n_layers + first_less + last_less
+    base, extra = divmod(total, num_stages)
+    # Stage sizes in "layers"; the remainder goes to the middle stages, which have no embedding or output.
+    sizes = [base] * num_stages
+    middle = list(range(1, num_stages - 1)) or list(range(num_stages))
+    for i in range(extra):
+        sizes[middle[i % len(middle)]] += 1
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if num_stages == 1:
+        sizes[0] = n_layers
+    if min(sizes) < 1:
+        raise ValueError(f"{num_stages} pipeline stages need more than the model's {n_layers} transformer blocks "
+                         f"(stage block counts would be {sizes}); use fewer stages or a smaller "
+                         f"pipeline_parallel_first/last_stage_less_layers")
+    stages, next_layer = [], 0
+    for index, size in enumerate(sizes):
+        names = [f"layers.{i}" for i in range(next_layer, next_layer + size)]
+        next_layer += size
+        if index == 0:
+            names.insert(0, "tok_embeddings")
+        if index == num_stages - 1:
+            names += ["norm", "output"]
+        stages.append(names)
+    return stages
+
+
+def stage_module_names(p: Parallelism, n_layers: int, num_stages: int) -> list[list[str]]:
+    if p.module_fqns_per_model_part:
+        if len(p.module_fqns_per_model_part) != num_stages:
+            raise ValueError(f"parallelism.module_fqns_per_model_part has {len(p.module_fqns_per_model_part)} "
+                             f"parts but the schedule runs {num_stages} stages; give one list per stage")
+        valid = {"tok_embeddings", "norm", "output"} | {f"layers.{i}" for i in range(n_layers)}
+        unknown = sorted({n for part in p.module_fqns_per_model_part for n in part} - valid)
+        if unknown:
+            raise ValueError(f"parallelism.module_fqns_per_model_part names {unknown}, which are not modules of the "
+                             f"model; valid: tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output")
+        return p.module_fqns_per_model_part
+    return split_layers(n_layers, num_stages, p.pipeline_parallel_first_stage_less_layers,
+                        p.pipeline_parallel_last_stage_less_layers)
+
+
+def keep_only(model: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``model`` (on the meta device) holding only the named top-level modules and blocks."""
+    part = copy.deepcopy(model)
+    keep = set(names)
+    for key in list(part.layers):
+        if f"layers.{key}" not in keep:
+            del part.layers[key]
+    for name in ("tok_embeddings", "norm", "output"):
+        if name not in keep:
+            setattr(part, name, None)
+    return part
+
+
+@dataclass
+class Pipeline:
+    """The schedule and this rank's model parts (one per local stage, in stage order)."""
+
+    schedule: _PipelineSchedule
+    model_parts: list[nn.Module]
+    has_first_stage: bool
+    has_last_stage: bool
+
+
+def build_pipeline(
+    model: nn.Module,
+    p: Parallelism,
+    pp_mesh,
+    device: torch.device,
+    n_microbatches: int,
+    prepare_part: Callable[[nn.Module], nn.Module],
+    loss_fn: Callable,
+) -> Pipeline:
+    """Cut the meta-device ``model`` into this rank's stages, prepare each (parallelize + materialise) and
+    wrap them in the configured schedule. The loss is computed on the last stage as ``loss_fn(logits,
+    labels, **loss_kwargs)`` without the schedule's own scaling: our loss is already divided by the
+    global token count."""
+    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    n_layers = len(model.layers)
+    placement = stage_placement(p, n_layers)
+    num_stages = sum(len(stages) for stages in placement.values())
+    names = stage_module_names(p, n_layers, num_stages)
+    stages, parts = [], []
+    for stage_index in placement[pp_rank]:
+        part = prepare_part(keep_only(model, names[stage_index]))
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_index, num_stages, device, group=pp_mesh.get_group()))
+
+    if p.pipeline_parallel_schedule_csv:
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                            scale_grads=False)
+        schedule._load_csv(p.pipeline_parallel_schedule_csv, format="compute_only")
+    else:
+        cls = get_schedule_class(p.pipeline_parallel_schedule)
+        single = issubclass(cls, PipelineScheduleSingle)
+        schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                       scale_grads=False)
+    local = placement[pp_rank]
+    return Pipeline(schedule, parts, has_first_stage=0 in local, has_last_stage=num_stages - 1 in local)
+
+
+def merged_view(model_parts: list[nn.Module]) -> nn.Module:
+    """One module whose named parameters are those of all parts, under the whole model's names.
+
+    The parts' modules are shared, not copied: state-dict helpers that need a single module (the
+    optimizer state dict, for one) see the same names with or without pipeline parallelism.
+    """
+    if len(model_parts) == 1:
+        return model_parts[0]
+    view = nn.Module()
+    for part in model_parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict):
+                if not hasattr(view, name):
+                    view.add_module(name, nn.ModuleDict())
+                getattr(view, name).update(child)
+            elif child is not None:
+                view.add_module(name, child)
+    return view
