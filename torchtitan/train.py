@@ -27,6 +27,7 @@ from torchtitan.config.loading import config_to_dict, config_to_toml, format_hel
 from torchtitan.config.validation import import_custom_modules, validate_config
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
+from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.data_parallel import DTYPES
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.data import DataError
@@ -167,6 +168,12 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
+        if self.parallel_dims.cp_enabled:
+            # Each context-parallel rank computes on its head and tail chunks of every sequence.
+            cp_mesh = self.parallel_dims.submesh("cp")
+            rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+            microbatches = [(shard_sequence(ids, 1, rank, size), shard_sequence(lbl, 1, rank, size))
+                            for ids, lbl in microbatches]
         # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
         local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)

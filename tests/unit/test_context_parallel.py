@@ -219,3 +219,22 @@ def test_multi_rank_matches_full_attention(tmp_path, world):
         assert len(report["worst"]) == 16
         for key, err in report["worst"].items():
             assert err < TOL, (rank, key, err)
+
+
+def test_config_errors_for_lengths_cp_cannot_split():
+    from torchtitan.config import ConfigError, load_config
+    from torchtitan.config.validation import validate_config
+
+    def validate(*flags, world_size=4):
+        cfg, sources = load_config(["--job.config_file", "train_configs/debug_model.toml", *flags])
+        validate_config(cfg, sources, world_size=world_size)
+
+    validate("--parallelism.context_parallel_degree", "4", "--training.seq_len", "96")
+    with pytest.raises(ConfigError, match=r"training.seq_len = 100 cannot be split for context parallelism: "
+                                          r"seq_len 100 must be a positive multiple of 2\*cp = 8 for cp=4, e.g. 96 or 104"):
+        validate("--parallelism.context_parallel_degree", "4", "--training.seq_len", "100")
+    with pytest.raises(ConfigError, match=r"tp=2 \(sequence parallel\): it must be a positive multiple of 4"):
+        validate("--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                 "--training.seq_len", "34")
+    with pytest.raises(ConfigError, match=r"not supported yet \(validation with context parallelism\)"):
+        validate("--parallelism.context_parallel_degree", "4", "--validation.enable")

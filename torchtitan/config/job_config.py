@@ -141,8 +141,8 @@ class Parallelism:
     pipeline_parallel_first_stage_less_layers: int = option(1, "Layers the first stage gives up (embedding)")
     pipeline_parallel_last_stage_less_layers: int = option(1, "Layers the last stage gives up (output)")
     context_parallel_degree: int = option(1, "Context-parallel degree (sequence sharding)")
-    context_parallel_rotate_method: Literal["allgather", "alltoall"] = option(
-        "allgather", "How K/V move between context-parallel ranks"
+    context_parallel_rotate_method: Literal["allgather", "ring"] = option(
+        "allgather", "How K/V reach the other context-parallel ranks: allgather (once per layer) or ring (send/recv)"
     )
     expert_parallel_degree: int = option(1, "Expert-parallel degree")
 

@@ -119,6 +119,13 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
     tp = p.tensor_parallel_degree
     c.require("parallelism.tensor_parallel_degree", c.cfg.training.seq_len % tp == 0,
               f"does not divide training.seq_len = {c.cfg.training.seq_len}, which sequence parallelism shards")
+    if p.context_parallel_degree > 1:
+        from torchtitan.distributed.context_parallel import check_cp_seq_len
+
+        try:
+            check_cp_seq_len(c.cfg.training.seq_len, p.context_parallel_degree, tp)
+        except ValueError as e:
+            c.fail("training.seq_len", f"cannot be split for context parallelism: {e}")
     if tp > 1 and c.cfg.compile.enable and "model" in c.cfg.compile.components and device_type() == "cpu":
         c.fail("compile.enable", "cannot be combined with tensor parallelism on CPU: with torch 2.13 the compiled "
                "blocks' backward returns plain-tensor gradients for DTensor inputs and training crashes; "
@@ -289,7 +296,8 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    c.not_yet("parallelism.context_parallel_degree", p.context_parallel_degree > 1, "context parallelism")
+    if p.context_parallel_degree > 1:
+        c.not_yet("validation.enable", cfg.validation.enable, "validation with context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint

@@ -1,7 +1,7 @@
-"""The model-independent part of parallelizing: AC, then compile, then FSDP/HSDP or DDP.
+"""The model-independent part of parallelizing: CP, then AC, then compile, then FSDP/HSDP or DDP.
 
 A family's parallelize function applies its own tensor-parallel plan and then calls this, which keeps
-the order TP -> AC -> compile -> FSDP the same for every model.
+the order TP -> CP -> AC -> compile -> FSDP the same for every model.
 """
 
 from torch import nn
@@ -9,6 +9,7 @@ from torch import nn
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_context_parallel
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -16,9 +17,12 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: ParallelDims,
                                        job_config: JobConfig) -> nn.Module:
     ac, training, parallelism = job_config.activation_checkpoint, job_config.training, job_config.parallelism
+    if parallel_dims.cp_enabled:
+        apply_context_parallel(model, parallel_dims.submesh("cp"), training.seq_len,
+                               parallelism.context_parallel_rotate_method)
     apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model, job_config.compile.backend)
+        apply_compile(model, job_config.compile.backend, fullgraph=not parallel_dims.cp_enabled)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,

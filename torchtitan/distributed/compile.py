@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 
-def apply_compile(model: nn.Module, backend: str) -> None:
+def apply_compile(model: nn.Module, backend: str, fullgraph: bool = True) -> None:
+    """``fullgraph=False`` lets a block call eager code (context-parallel attention's collectives)."""
     for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=fullgraph))

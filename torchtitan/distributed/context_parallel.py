@@ -444,3 +444,35 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         scale = 1.0 / math.sqrt(q.size(-1))
     ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel)
     return _CPAttention.apply(q, k, v, ctx)
+
+
+def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str) -> None:
+    """Make every attention module of ``model`` attend over the cp-sharded sequence.
+
+    A model opts in by giving its attention modules an ``attention_fn(q, k, v)`` attribute and a
+    ``forward(x, rope, ...)`` whose RoPE table is indexed by position. Each rank's tokens are its
+    head and tail chunks, so its RoPE rows are those of ``cp_positions``; the training sequence length
+    is fixed, so the rows are chosen once here rather than passed through the model on every call.
+    """
+    positions = cp_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def attention(q, k, v):
+        return context_parallel_attention(q, k, v, cp_mesh, method)
+
+    def rope_rows_of_this_rank(module, args):
+        x, rope, *rest = args
+        if rope.device not in on_device:
+            on_device[rope.device] = positions.to(rope.device)
+        return (x, rope[on_device[rope.device]], *rest)
+
+    patched = 0
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            # Dynamo cannot trace the send/recv inside; compiled blocks call it eagerly.
+            module.attention_fn = torch.compiler.disable(attention)
+            module.register_forward_pre_hook(rope_rows_of_this_rank)
+            patched += 1
+    if patched == 0:
+        raise ValueError(f"{type(model).__name__} has no attention module with an attention_fn attribute; "
+                         "it cannot run with context parallelism")

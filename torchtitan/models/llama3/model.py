@@ -55,6 +55,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # The attention kernel; context parallelism swaps in one that attends over a sharded sequence.
+        self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -64,7 +66,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = causal_attention(q, k, v)
+        out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
