@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from torchtitan.components.peak_flops import cpu_model, measure_matmul_tflops, usable_cores
+from torchtitan.components.peak_flops import cpu_model, usable_cores
 from torchtitan.config import load_config
 from torchtitan.config.validation import validate_config
 from torchtitan.log import init_logger
-from torchtitan.planner import GIB, format_plan, plan
+from torchtitan.planner import GIB, CpuTiming, format_plan, measure_cpu_timing, model_shape, plan
 from torchtitan.train import Trainer
 
 CONFIG = "train_configs/debug_model.toml"
@@ -38,8 +38,8 @@ CASES = [
 MEMORY_TOLERANCE, TIME_TOLERANCE = 0.20, 0.30
 
 
-def measure(overrides: list[str], steps: int) -> tuple[float, dict, float, float]:
-    """(peak tracked bytes, bytes by category at the peak, median step seconds, median matmul TFLOP/s)."""
+def measure(overrides: list[str], steps: int) -> tuple[float, dict, float, CpuTiming]:
+    """(peak tracked bytes, bytes by category at the peak, median step seconds, median planner timing)."""
     with tempfile.TemporaryDirectory() as dump:
         argv = ["--job.config_file", CONFIG, f"--job.dump_folder={dump}", "--training.steps", "1000",
                 "--metrics.log_freq", "1000000", *overrides]
@@ -55,16 +55,19 @@ def measure(overrides: list[str], steps: int) -> tuple[float, dict, float, float
             trainer.train_step(batches[1])
         snapshot = tracker.get_tracker_snapshot("peak")
         by_category = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in next(iter(snapshot.values())).items()}
-        # The machine's matmul peak is measured between the timed steps, so that load from other
+        # The planner's kernel calibration runs between the timed steps, so that load from other
         # processes slows the calibration and the steps alike.
-        times, peaks = [], []
+        vocab = model_shape(cfg).vocab
+        times, timings = [], []
         for batch in batches[2:]:
-            peaks.append(measure_matmul_tflops(torch.bfloat16, torch.get_num_threads(), seconds_per_size=0.1))
+            timings.append(measure_cpu_timing(cfg, vocab))
             start = time.perf_counter()
             trainer.train_step(batch)
             times.append(time.perf_counter() - start)
         trainer.close()
-        return by_category["Total"], by_category, statistics.median(times), statistics.median(peaks)
+        fields = ("block", "rest", "optimizer_per_layer", "optimizer_rest")
+        timing = CpuTiming(**{f: statistics.median(getattr(t, f) for t in timings) for f in fields})
+        return by_category["Total"], by_category, statistics.median(times), timing
 
 
 def main() -> None:
@@ -76,8 +79,8 @@ def main() -> None:
     rows, details = [], []
     for name, overrides in CASES:
         cfg, _ = load_config(["--job.config_file", CONFIG, *overrides])
-        peak, by_category, seconds, matmul_tflops = measure(overrides, args.steps)
-        predicted = plan(cfg, "CPU", peak_tflops=matmul_tflops)
+        peak, by_category, seconds, timing = measure(overrides, args.steps)
+        predicted = plan(cfg, "CPU", cpu_timing=timing)
         mem_ratio = predicted.memory.total / peak
         time_ratio = predicted.step_time_s / seconds
         ok = abs(mem_ratio - 1) <= MEMORY_TOLERANCE and abs(time_ratio - 1) <= TIME_TOLERANCE

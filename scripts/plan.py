@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world_size", type=int, default=1,
                         help="devices in the run (default 1); the config's parallel degrees must multiply to it")
     parser.add_argument("--efficiency", type=float,
-                        help="fraction of peak FLOP/s reached (default 0.40 on GPUs, 0.20 on CPU)")
+                        help="fraction of peak FLOP/s reached (default 0.40 on GPUs; on CPU the kernels are timed instead)")
     parser.add_argument("--vocab_size", type=int,
                         help="vocabulary size, for flavors that take it from a tokenizer you do not have locally")
     args, overrides = parser.parse_known_args(argv)

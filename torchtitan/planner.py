@@ -3,11 +3,16 @@
 Memory is the sum of what a training step keeps alive, each term derived from the model's exact
 parameter counts (the model is built on the meta device) and from the tensors the forward saves
 for backward (docs/planning.md lists them op by op). Step time is the training FLOPs a device
-executes divided by its peak FLOP/s times an efficiency. Estimates for pipeline stages and
-selective per-op checkpointing are coarser than the rest; the docs say how.
+executes, split into matmul and attention FLOPs: on GPUs divided by the peak FLOP/s times an
+efficiency. On CPU a short calibration times the model itself cut to one and to two blocks at the
+config's batch and length (attention kernels and element-wise work run far below the matmul peak
+there, so no single efficiency fits) and scales by the layers, recomputation and layout. Estimates for pipeline stages and selective per-op checkpointing are
+coarser than the rest; the docs say how.
 """
 
+import dataclasses
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +33,6 @@ DEVICE_PEAK_NAMES = {"H100": "H100", "H200": "H200", "A100": "A100", "B200": "B2
 # Fraction of the dense peak a tuned bf16 training run reaches on GPUs (MFU reported for Llama-style
 # dense models is typically 35-45%).
 GPU_EFFICIENCY = 0.40
-# Fraction of the matmul peak (peak_flops' square-matmul calibration) a small model's training
-# step reaches on CPU: its matmuls are narrow and element-wise work is not negligible. Measured
-# around 20% for the debug model at 8 x 2048 tokens (benchmarks/results/trainer_vs_minimal_loop.md).
-CPU_EFFICIENCY = 0.20
 
 
 class PlanError(ValueError):
@@ -100,7 +101,7 @@ class Plan:
     tokens_per_device: float  # per optimizer step
     flops_per_device: float  # per optimizer step, recomputation included
     peak_tflops: float
-    efficiency: float
+    speed: str  # how the step time was derived
     step_time_s: float
 
     @property
@@ -246,8 +247,8 @@ def grad_accum_steps(cfg: JobConfig, layout: Layout) -> int:
     return 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp)
 
 
-def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: Layout) -> tuple[float, float]:
-    """(tokens, FLOPs executed incl. recomputation) one device processes per training step.
+def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: Layout) -> tuple[float, float, float]:
+    """(tokens, matmul FLOPs, attention FLOPs) one device executes per step, recomputation included.
 
     Unlike the MFU convention (flops_per_token), the causal mask is discounted: attention kernels
     skip the masked half of the score matrix, so they execute half the attention FLOPs.
@@ -258,19 +259,88 @@ def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: Layout) -> tupl
     tokens = global_batch * t.seq_len / layout.world_size
     attention = 12 * m.n_layers * m.q_dim * t.seq_len / 2
     weights = m.flops_per_token - 12 * m.n_layers * m.q_dim * t.seq_len  # 6 x non-embedding params
-    block_flops = weights - 6 * m.output_params + attention
+    block_weights = weights - 6 * m.output_params
     # A recomputed block repeats its forward: a third of its forward + backward FLOPs.
+    recomputed = recomputed_fraction(cfg, m.n_layers)
+    matmul = (weights + block_weights * recomputed / 3) * tokens
+    attention *= (1 + recomputed / 3) * tokens
+    return tokens, matmul, attention
+
+
+@dataclass
+class CpuTiming:
+    """Seconds measured on this CPU for one micro-batch (local_batch_size x seq_len tokens)."""
+
+    block: float  # forward + backward of one transformer block
+    rest: float  # embedding, output projection and loss, forward + backward
+    optimizer_per_layer: float  # optimizer step, per block
+    optimizer_rest: float  # optimizer step of the other parameters
+
+
+def _time_model(cfg: JobConfig, n_layers: int, vocab_size: int, repeats: int) -> tuple[float, float]:
+    """Best (forward + backward, optimizer step) seconds of the config's model cut to n_layers blocks."""
+    from torchtitan.components.optimizer import build_optimizer
+
+    spec = get_train_spec(cfg.model.name)
+    t = cfg.training
+    args = dataclasses.replace(spec.flavors[cfg.model.flavor], n_layers=n_layers).finalize(vocab_size, t.seq_len)
+    model = spec.model_cls(args)
+    model.init_weights(cfg.debug.seed)
+    optimizer = build_optimizer([model], cfg.optimizer)
+    loss_fn = spec.build_loss_fn()
+    tokens = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
+    compute = getattr(torch, t.mixed_precision_param)
+    autocast = torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32)
+    best_step, best_optimizer = math.inf, math.inf
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        with autocast:
+            logits = model(tokens)
+        loss_fn(logits, tokens, tokens.numel()).backward()
+        middle = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i:  # the first round warms up kernels and creates the optimizer state
+            best_step = min(best_step, middle - start)
+            best_optimizer = min(best_optimizer, time.perf_counter() - middle)
+    return best_step, best_optimizer
+
+
+def measure_cpu_timing(cfg: JobConfig, vocab_size: int, repeats: int = 2) -> CpuTiming:
+    """Time the model cut to one and to two blocks; their difference is one block.
+
+    Timing the real modules (not just their matmuls) counts the element-wise work too: norms, RoPE,
+    activations, casts and the loss, which on CPU take a large share of a small model's step.
+    """
+    one, one_opt = _time_model(cfg, 1, vocab_size, repeats)
+    two, two_opt = _time_model(cfg, 2, vocab_size, repeats)
+    block, block_opt = max(two - one, 0.0), max(two_opt - one_opt, 0.0)
+    return CpuTiming(block=block, rest=max(one - block, 0.0), optimizer_per_layer=block_opt,
+                     optimizer_rest=max(one_opt - block_opt, 0.0))
+
+
+def recomputed_fraction(cfg: JobConfig, n_layers: int) -> float:
+    """Share of the blocks' forward that activation checkpointing runs a second time."""
     ac = cfg.activation_checkpoint
     if ac.mode == "none":
-        recomputed = 0.0
-    elif ac.mode == "full":
-        recomputed = 1.0
-    elif ac.selective_ac_option == "op":
-        recomputed = 0.5  # about half the matmuls are recomputed
-    else:
-        recomputed = math.ceil(m.n_layers / int(ac.selective_ac_option)) / m.n_layers
-    flops = (weights + attention + block_flops * recomputed / 3) * tokens
-    return tokens, flops
+        return 0.0
+    if ac.mode == "full":
+        return 1.0
+    if ac.selective_ac_option == "op":
+        return 0.5  # about half the matmuls are recomputed
+    return math.ceil(n_layers / int(ac.selective_ac_option)) / n_layers
+
+
+def cpu_step_seconds(m: ModelShape, cfg: JobConfig, layout: Layout, timing: CpuTiming) -> float:
+    """Step time on CPU from the measured parts: blocks (with recomputation, a third of their
+    forward + backward), the rest, and the optimizer, for this device's share of layers and tokens.
+    Communication between CPU processes is not modelled."""
+    layers = m.n_layers / layout.pp
+    per_micro = layers * timing.block * (1 + recomputed_fraction(cfg, m.n_layers) / 3) + timing.rest
+    per_micro /= layout.tp * layout.cp
+    shard = layout.dp_shard * layout.cp * layout.tp
+    optimizer = (layers * timing.optimizer_per_layer + timing.optimizer_rest) / shard
+    return grad_accum_steps(cfg, layout) * per_micro + optimizer
 
 
 def cpu_memory_gib() -> float:
@@ -296,25 +366,31 @@ def device_capacity_and_peak(device: str, compute_dtype: str) -> tuple[float, fl
 
 
 def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | None = None,
-         vocab_size: int | None = None, peak_tflops: float | None = None) -> Plan:
+         vocab_size: int | None = None, cpu_timing: CpuTiming | None = None) -> Plan:
     """The prediction for ``cfg`` on ``world_size`` devices of kind ``device``.
 
-    ``peak_tflops`` replaces the device's peak (e.g. a matmul throughput just measured on a busy CPU).
+    On CPU the step time comes from the model's parts timed now (``cpu_timing`` passes them in
+    instead), unless ``efficiency`` is given, which applies to the matmul peak.
     """
     device = device.upper() if device.upper() in (*DEVICE_MEMORY_GIB, "CPU") else device
     capacity, peak = device_capacity_and_peak(device, cfg.training.mixed_precision_param)
-    peak = peak_tflops or peak
     layout = resolve_layout(cfg, world_size)
     m = model_shape(cfg, vocab_size)
     memory = predict_memory(m, cfg, layout, on_cpu=device == "CPU")
-    tokens, flops = step_flops_per_device(m, cfg, layout)
-    if efficiency is None:
-        efficiency = GPU_EFFICIENCY if device != "CPU" else CPU_EFFICIENCY
-    if not 0 < efficiency <= 1:
+    tokens, matmul, attention = step_flops_per_device(m, cfg, layout)
+    if efficiency is not None and not 0 < efficiency <= 1:
         raise PlanError(f"efficiency = {efficiency} is invalid; it must be in (0, 1]")
-    step_time = flops / (peak * 1e12 * efficiency)
+    if device == "CPU" and efficiency is None:
+        timing = cpu_timing or measure_cpu_timing(cfg, m.vocab)
+        step_time = cpu_step_seconds(m, cfg, layout, timing)
+        speed = (f"from a block timed at {timing.block * 1e3:.1f} ms, the rest at {timing.rest * 1e3:.1f} ms "
+                 f"per micro-batch on this CPU")
+    else:
+        efficiency = efficiency or GPU_EFFICIENCY
+        step_time = (matmul + attention) / (peak * 1e12 * efficiency)
+        speed = f"at {efficiency:.0%} of peak"
     return Plan(device=device, capacity_gib=capacity, layout=layout, memory=memory, tokens_per_device=tokens,
-                flops_per_device=flops, peak_tflops=peak, efficiency=efficiency, step_time_s=step_time)
+                flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time)
 
 
 def format_plan(p: Plan) -> str:
@@ -335,7 +411,7 @@ def format_plan(p: Plan) -> str:
         "",
         f"peak phase: {mem.peak_phase}",
         f"step time: {p.step_time_s:.3f} s  ({p.tokens_per_device:,.0f} tokens/device, "
-        f"{p.flops_per_device / 1e12:.3f} TFLOP/device, at {p.efficiency:.0%} of peak)",
+        f"{p.flops_per_device / 1e12:.3f} TFLOP/device, {p.speed})",
     ]
     if p.fits:
         lines.append(f"fits: {mem.total / GIB:.2f} of {p.capacity_gib:.1f} GiB ({mem.total / GIB / p.capacity_gib:.0%})")

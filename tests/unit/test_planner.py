@@ -6,7 +6,8 @@ import torch
 from torchtitan.config import load_config
 from torchtitan.inference import build_model
 from torchtitan.planner import (
-    GIB, PlanError, layer_activation_bytes, model_shape, plan, predict_memory, resolve_layout, uses_autocast,
+    GIB, CpuTiming, PlanError, cpu_step_seconds, layer_activation_bytes, model_shape, plan, predict_memory,
+    resolve_layout, uses_autocast,
 )
 
 
@@ -21,7 +22,7 @@ def test_parameter_bytes_equal_the_real_model_parameter_count():
     real = sum(p.numel() for p in model.parameters())
     m = model_shape(cfg)
     assert m.params == real
-    memory = plan(cfg, "CPU").memory
+    memory = plan(cfg, "CPU", efficiency=0.5).memory  # an efficiency skips the CPU timing calibration
     assert memory.params == real * 4  # fp32 storage
     assert memory.optimizer == 2 * real * 4  # AdamW: two fp32 moments
 
@@ -73,7 +74,7 @@ def test_layer_activation_formula_matches_what_the_forward_saves(precision):
 def test_activation_checkpointing_lowers_activations():
     modes = [("none", "1"), ("selective", "2"), ("full", "1")]
     totals = [plan(config("--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option",
-                          option), "CPU").memory.activations for mode, option in modes]
+                          option), "CPU", efficiency=0.5).memory.activations for mode, option in modes]
     assert totals[0] > totals[1] > totals[2]
 
 
@@ -97,3 +98,18 @@ def test_unknown_device_and_bad_world_size_are_one_line_errors():
         plan(config(), "TPU")
     with pytest.raises(PlanError, match="world size 3"):
         plan(config("--parallelism.tensor_parallel_degree", "2"), "H100", world_size=3)
+
+
+def test_cpu_step_time_scales_the_timed_parts_by_layers_recomputation_and_accumulation():
+    timing = CpuTiming(block=0.3, rest=0.2, optimizer_per_layer=0.01, optimizer_rest=0.04)
+    cfg = config()
+    m, layout = model_shape(cfg), resolve_layout(cfg, 1)
+    assert m.n_layers == 6
+    assert cpu_step_seconds(m, cfg, layout, timing) == pytest.approx(6 * 0.3 + 0.2 + 6 * 0.01 + 0.04)
+    full = config("--activation_checkpoint.mode", "full")
+    assert cpu_step_seconds(m, full, layout, timing) == pytest.approx(6 * 0.3 * 4 / 3 + 0.2 + 0.1)
+    accum = config("--training.global_batch_size", "16")
+    assert cpu_step_seconds(m, accum, layout, timing) == pytest.approx(2 * (6 * 0.3 + 0.2) + 0.1)
+    # The calibration itself: a block of the real model takes measurable time.
+    measured = plan(config("--training.seq_len", "64", "--training.local_batch_size", "1"), "CPU")
+    assert measured.step_time_s > 0 and "timed" in measured.speed
