@@ -126,10 +126,6 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
             check_cp_seq_len(c.cfg.training.seq_len, p.context_parallel_degree, tp)
         except ValueError as e:
             c.fail("training.seq_len", f"cannot be split for context parallelism: {e}")
-    if tp > 1 and c.cfg.compile.enable and "model" in c.cfg.compile.components and device_type() == "cpu":
-        c.fail("compile.enable", "cannot be combined with tensor parallelism on CPU: with torch 2.13 the compiled "
-               "blocks' backward returns plain-tensor gradients for DTensor inputs and training crashes; "
-               "use compile without TP, or TP with compile.components = ['loss'] and parallelism.disable_loss_parallel")
     if tp > 1 and c.cfg.compile.enable and "loss" in c.cfg.compile.components and not p.disable_loss_parallel:
         c.fail("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
                "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
