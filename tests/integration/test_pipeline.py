@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU/gloo trains the same numbers as a single process (fp32, 6 steps, global batch 8)."""
 
-import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,8 +67,15 @@ def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(tmp_path):
     assert [r["grad_norm"] for r in custom] == pytest.approx([r["grad_norm"] for r in builtin], rel=1e-6)
 
 
-@pytest.mark.slow
-def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
+def assert_same_steps(rows: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in expected]
+    for ours, ref in zip(rows, expected):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
+
+
+def assert_eight_processes_match_single_process(tmp_path: Path, flags: list[str]) -> None:
+    """4 steps of the tiny flavor (fp32, batch 8) on 8 processes against one process."""
     common = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
               "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
     config = "train_configs/tiny.toml"
@@ -76,31 +83,36 @@ def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
     result = run_module("torchtitan.train", "--job.config_file", config, *common, "--training.local_batch_size", "8",
                         f"--job.dump_folder={single}")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = train(tmp_path / "3d", 8, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                                      *PP2], config=config, common=common)
-    expected = read_rows(single)
+    rows = train(tmp_path / "eight", 8, flags, config=config, common=common)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for ours, ref in zip(rows, expected):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4)
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert_same_steps(rows, read_rows(single))
+
+
+def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[str]],
+                                        target: tuple[int, list[str]]) -> None:
+    """Saved at step 3 under ``source`` (nproc, flags), resumed under ``target``: steps 4-6 match the
+    uninterrupted source run."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "3", "--training.local_batch_size", "8"]
+    straight = train(tmp_path / "straight", source[0], [*ckpt, *source[1]])
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    result = run_command(["./run_train.sh", *COMMON, *ckpt, *target[1], f"--job.dump_folder={resumed}"],
+                         env={"NGPU": str(target[0]), "CONFIG_FILE": CONFIG})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from step 3" in result.stdout + result.stderr
+    assert_same_steps(read_rows(resumed), straight[3:])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, target", [(PP2, []), ([], [*PP2, "--parallelism.pipeline_parallel_schedule",
-                                                               "Interleaved1F1B"])], ids=["pp2_to_pp1", "pp1_to_pp2"])
+def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
+    assert_eight_processes_match_single_process(
+        tmp_path, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *PP2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, target", [((2, PP2), (1, [])),
+                                            ((1, []), (2, [*PP2, "--parallelism.pipeline_parallel_schedule",
+                                                           "Interleaved1F1B"]))], ids=["pp2_to_pp1", "pp1_to_pp2"])
 def test_checkpoint_moves_between_pipeline_layouts(tmp_path, source, target):
-    """Saved at step 3 under one layout, resumed under the other: steps 4-6 match the uninterrupted run."""
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "3", "--training.local_batch_size", "8"]
-    straight = train(tmp_path / "straight", 2 if source else 1, [*ckpt, *source])
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    os.system(f"cp -r {tmp_path}/straight/checkpoint/step-3 {resumed}/checkpoint/")
-    result = run_command(["./run_train.sh", *COMMON, *ckpt, *target, f"--job.dump_folder={resumed}"],
-                         env={"NGPU": "2" if target else "1", "CONFIG_FILE": CONFIG})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resumed from step 3" in result.stdout + result.stderr
-    rows = read_rows(resumed)
-    assert [r["step"] for r in rows] == [4, 5, 6]
-    for ours, ref in zip(rows, straight[3:]):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
+    assert_resumes_under_another_layout(tmp_path, source, target)
