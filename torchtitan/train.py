@@ -88,7 +88,9 @@ class Trainer:
                 model, cfg.parallelism, self.parallel_dims.submesh("pp"), self.device,
                 n_microbatches=training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size,
                 prepare_part=prepare,
-                loss_fn=lambda logits, labels, global_valid_tokens: self.loss_fn(logits, labels, global_valid_tokens),
+                # Validation runs the schedule without loss_kwargs: divided by 1, the loss is the summed CE.
+                loss_fn=lambda logits, labels, global_valid_tokens=1.0: self.loss_fn(logits, labels,
+                                                                                     global_valid_tokens),
             )
             self.model_parts = self.pipeline.model_parts
         else:
@@ -134,7 +136,8 @@ class Trainer:
         if cfg.validation.enable:
             self.validator = Validator(
                 cfg.validation, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_degree, loss_fn=self.loss_fn,
-                device=self.device, dp_mesh=self.parallel_dims.submesh("dp"), autocast=self.autocast,
+                device=self.device, dp_mesh=self.loss_mesh, autocast=self.autocast,
+                batch_loss=self._validation_batch_loss,
             )
 
         self.metrics = MetricsLogger(
@@ -168,12 +171,7 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
-        if self.parallel_dims.cp_enabled:
-            # Each context-parallel rank computes on its head and tail chunks of every sequence.
-            cp_mesh = self.parallel_dims.submesh("cp")
-            rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-            microbatches = [(shard_sequence(ids, 1, rank, size), shard_sequence(lbl, 1, rank, size))
-                            for ids, lbl in microbatches]
+        microbatches = [self._shard_for_cp(input_ids, labels) for input_ids, labels in microbatches]
         # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
         local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
@@ -199,6 +197,29 @@ class Trainer:
         self.lr_scheduler.step()
         # Only the ranks holding the last stage have a loss; the others add zero.
         return sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh), grad_norm
+
+    def _shard_for_cp(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each context-parallel rank computes on its head and tail chunks of every sequence."""
+        if not self.parallel_dims.cp_enabled:
+            return input_ids, labels
+        cp_mesh = self.parallel_dims.submesh("cp")
+        rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+        return shard_sequence(input_ids, 1, rank, size), shard_sequence(labels, 1, rank, size)
+
+    def _validation_batch_loss(self, model_parts: list[torch.nn.Module], input_ids: torch.Tensor,
+                               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy and valid tokens of one validation batch on this rank (all stages summed)."""
+        input_ids, labels = self._shard_for_cp(input_ids, labels)
+        with self.autocast(), loss_parallel_context(self.loss_parallel):
+            if self.pipeline is None:
+                loss = to_local_scalar(self.loss_fn(model_parts[0](input_ids), labels, 1.0))
+            else:
+                pipe, losses = self.pipeline, []
+                pipe.schedule.eval(*((input_ids,) if pipe.has_first_stage else ()),
+                                   target=labels if pipe.has_last_stage else None, losses=losses)
+                loss = sum((to_local_scalar(x) for x in losses), torch.zeros((), device=self.device))
+                loss = sum_over(loss, self.parallel_dims.submesh("pp"))
+        return loss, count_valid_tokens(labels)
 
     def _pipeline_forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                                    global_tokens: torch.Tensor) -> torch.Tensor:

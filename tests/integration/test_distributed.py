@@ -71,3 +71,31 @@ def test_compile_alone_matches_eager(tmp_path, reference):
                         "--compile.enable", f"--job.dump_folder={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_matches(read_rows(tmp_path), reference)
+
+
+VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2",
+              "--validation.seq_len", "256", "--validation.local_batch_size", "8", "--training.local_batch_size", "8"]
+VALIDATION_LAYOUTS = {
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.slow
+def test_validation_loss_is_the_same_under_tp_pp_and_cp(tmp_path):
+    def validation_rows(dump, nproc, flags):
+        result = run_command(["./run_train.sh", *COMMON, *VALIDATION, *flags, f"--job.dump_folder={dump}"],
+                             env={"NGPU": str(nproc), "CONFIG_FILE": CONFIG})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return [r for r in read_rows(dump) if "val_loss" in r]
+
+    expected = validation_rows(tmp_path / "single", 1, [])
+    assert [r["step"] for r in expected] == [3, 6] and expected[1]["val_loss"] < expected[0]["val_loss"]
+    for name, (nproc, flags) in VALIDATION_LAYOUTS.items():
+        rows = validation_rows(tmp_path / name, nproc, flags)
+        assert [r["step"] for r in rows] == [3, 6], name
+        for ours, ref in zip(rows, expected):
+            assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4), name
+            assert ours["val_tokens"] == ref["val_tokens"], name

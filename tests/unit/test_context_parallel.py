@@ -236,5 +236,5 @@ def test_config_errors_for_lengths_cp_cannot_split():
     with pytest.raises(ConfigError, match=r"tp=2 \(sequence parallel\): it must be a positive multiple of 4"):
         validate("--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
                  "--training.seq_len", "34")
-    with pytest.raises(ConfigError, match=r"not supported yet \(validation with context parallelism\)"):
-        validate("--parallelism.context_parallel_degree", "4", "--validation.enable")
+    with pytest.raises(ConfigError, match=r"validation.seq_len = 512 must equal training.seq_len = 2048 with context"):
+        validate("--parallelism.context_parallel_degree", "4", "--validation.enable", "--validation.seq_len", "512")

@@ -63,7 +63,8 @@ def test_every_schedule_validates_for_the_debug_model(schedule):
     (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage",
       "1", "--training.local_batch_size", "16"], "needs exactly 4 stages (two per rank), but the layer settings give 8"),
     (["--parallelism.pipeline_parallel_first_stage_less_layers", "8"], "cannot be laid out: 2 pipeline stages need more"),
-    (["--validation.enable"], "validation.enable = True is not supported yet (validation with pipeline parallelism)"),
+    (["--validation.enable", "--validation.local_batch_size", "8", "--validation.seq_len", "512"],
+     "validation.seq_len = 512 must equal training.seq_len = 2048 with pipeline parallelism"),
 ])
 def test_layouts_that_cannot_run_are_config_errors(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:

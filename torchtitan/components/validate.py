@@ -23,6 +23,10 @@ from torchtitan.data import DataError, Tokenizer, build_dataloader
 from torchtitan.distributed.collectives import sum_over
 
 
+# (model parts, input_ids, labels) -> (summed token cross-entropy, valid tokens) of one batch on this rank.
+BatchLoss = Callable[[list[nn.Module], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class Validator:
     """Computes val_loss and val_perplexity every ``validation.freq`` steps."""
 
@@ -37,12 +41,16 @@ class Validator:
         device: torch.device,
         dp_mesh: DeviceMesh | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        batch_loss: BatchLoss | None = None,
     ):
+        """``dp_mesh`` is what the sums are reduced over (data x context parallel ranks). ``batch_loss``
+        replaces the plain forward of one model part, for layouts that split the model or the sequence."""
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.device = device
         self.dp_mesh = dp_mesh
         self.autocast = autocast
+        self.batch_loss = batch_loss or self._forward_one_part
         # Read once per validation, from the start: the same batches every time.
         self.dataloader = build_dataloader(
             tokenizer,
@@ -61,14 +69,21 @@ class Validator:
         """Whether to validate after training step `step`."""
         return self.cfg.enable and step % self.cfg.freq == 0
 
+    def _forward_one_part(self, model_parts: list[nn.Module], input_ids: torch.Tensor,
+                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(model_parts) != 1:
+            raise ValueError(f"validation of {len(model_parts)} model parts needs a batch_loss")
+        with self.autocast():
+            logits = model_parts[0](input_ids)
+        # The training loss divided by 1 instead of the global token count: the summed cross-entropy.
+        return self.loss_fn(logits, labels, 1.0), count_valid_tokens(labels)
+
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
         """Run the model over the validation data; return val_loss, val_perplexity and val_tokens (global)."""
-        if len(model_parts) != 1:
-            raise ValueError(f"validation runs a single model part; got {len(model_parts)} (pipeline parallelism)")
-        model = model_parts[0]
-        was_training = model.training
-        model.eval()
+        was_training = model_parts[0].training
+        for part in model_parts:
+            part.eval()
         # Summed in fp32 as [loss sum, valid tokens]; one all-reduce at the end.
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
         for batch_index, (input_ids, labels) in enumerate(self.dataloader):
@@ -76,13 +91,11 @@ class Validator:
                 break
             input_ids = input_ids.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            with self.autocast():
-                logits = model(input_ids)
-            # The training loss divided by 1 instead of the global token count: the summed cross-entropy.
-            totals[0] += self.loss_fn(logits, labels, 1.0).float()
-            totals[1] += count_valid_tokens(labels)
-            del logits
-        model.train(was_training)
+            loss_sum, tokens = self.batch_loss(model_parts, input_ids, labels)
+            totals[0] += loss_sum.float()
+            totals[1] += tokens
+        for part in model_parts:
+            part.train(was_training)
         loss_sum, tokens = sum_over(totals, self.dp_mesh).tolist()
         if tokens == 0:
             raise DataError(

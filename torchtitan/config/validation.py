@@ -186,7 +186,11 @@ def _check_pipeline(c: _Checker, spec, args) -> None:
     c.require(key, not getattr(args, "tie_embeddings", False),
               f"cannot split model.flavor = {c.cfg.model.flavor!r}: it ties the embedding and output weights, "
               "which live on different stages; use an untied flavor")
-    c.not_yet("validation.enable", c.cfg.validation.enable, "validation with pipeline parallelism")
+    if c.cfg.validation.enable:
+        # The stages exchange activations of the shape the training step set up.
+        for field in ("local_batch_size", "seq_len"):
+            c.require(f"validation.{field}", getattr(c.cfg.validation, field) == getattr(t, field),
+                      f"must equal training.{field} = {getattr(t, field)} with pipeline parallelism")
     csv_path = p.pipeline_parallel_schedule_csv
     if csv_path is None:
         c.require("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule in pipe.SCHEDULES,
@@ -292,8 +296,10 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    if p.context_parallel_degree > 1:
-        c.not_yet("validation.enable", cfg.validation.enable, "validation with context parallelism")
+    if p.context_parallel_degree > 1 and cfg.validation.enable:
+        # Context parallelism picks each rank's RoPE positions for the training length once.
+        c.require("validation.seq_len", cfg.validation.seq_len == cfg.training.seq_len,
+                  f"must equal training.seq_len = {cfg.training.seq_len} with context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint
