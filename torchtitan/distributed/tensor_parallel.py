@@ -3,14 +3,64 @@
 import contextlib
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
+                     extra_block_plan: dict[str, ParallelStyle] | None = None) -> None:
+    """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
+    (tok_embeddings, layers.N.{attention_norm, attention.wq/wk/wv/wo, ffn_norm, feed_forward.w1/w2/w3},
+    norm, output); ``extra_block_plan`` adds a family's own modules.
+
+    Between blocks activations are sharded on the sequence dimension; each block gathers them for
+    the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
+    row-parallel projections (wo, w2) reduce-scatter back to sequence shards. With loss parallel
+    the logits stay sharded on the vocabulary.
+    """
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+            **(extra_block_plan or {}),
+        }
+        parallelize_module(block, tp_mesh, plan)
 
 
 def loss_parallel_context(enabled: bool):
     """Cross-entropy on vocab-sharded logits without gathering them (used around loss and backward)."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
+    return torch.distributed.tensor.parallel.loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def to_local_scalar(loss: torch.Tensor) -> torch.Tensor:

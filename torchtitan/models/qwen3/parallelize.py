@@ -1,20 +1,13 @@
-"""Apply parallelism to a Qwen3 model: TP, then AC, then compile, then FSDP/DDP."""
+"""Apply parallelism to a Qwen3 model: TP, then CP, AC, compile and FSDP/DDP."""
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.apply_common import apply_ac_compile_and_data_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import enable_async_tp
+from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
 from torchtitan.models.qwen3.model import Qwen3Model
 
 # The heads dimension of the (batch, seq, heads, head_dim) tensors that QK-norm sees.
@@ -22,12 +15,7 @@ _HEADS_DIM = 2
 
 
 def apply_tp(model: Qwen3Model, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Megatron-style TP with sequence parallelism on the norms.
-
-    Between blocks activations are sharded on the sequence dimension; each block gathers them for
-    the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
-    row-parallel projections (wo, w2) reduce-scatter back to sequence shards. With loss parallel
-    the logits stay sharded on the vocabulary.
+    """The shared decoder plan plus QK-norm.
 
     QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring
     its input as sharded on the heads dimension makes the weight a replicated DTensor, so its
@@ -35,38 +23,11 @@ def apply_tp(model: Qwen3Model, tp_mesh: DeviceMesh, loss_parallel: bool) -> Non
     weight would keep a different partial gradient on every rank (and, being the only non-DTensor
     parameter, make grad-norm clipping fail on the mix).
     """
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    qk_norm = {name: SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True)
+               for name in ("attention.q_norm", "attention.k_norm")}
+    apply_decoder_tp(model, tp_mesh, loss_parallel, extra_block_plan=qk_norm)
     # Both tables are sharded on the vocabulary (dim 0), so a tied pair can share one DTensor again.
     model.tie_weights()
-    for block in model.layers.values():
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.q_norm": SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True),
-            "attention.k_norm": SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        parallelize_module(block, tp_mesh, plan)
 
 
 def parallelize_qwen3(model: Qwen3Model, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
