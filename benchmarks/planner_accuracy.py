@@ -21,7 +21,7 @@ from torchtitan.components.peak_flops import cpu_model, usable_cores
 from torchtitan.config import load_config
 from torchtitan.config.validation import validate_config
 from torchtitan.log import init_logger
-from torchtitan.planner import GIB, CpuTiming, format_plan, measure_cpu_timing, model_shape, plan
+from torchtitan.planner import CpuTiming, format_plan, measure_cpu_timing, model_shape, plan
 from torchtitan.train import Trainer
 
 CONFIG = "train_configs/debug_model.toml"

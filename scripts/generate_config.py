@@ -23,7 +23,6 @@ from pathlib import Path
 
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config.loading import config_to_toml
-from torchtitan.config.validation import import_custom_modules, validate_config
 from torchtitan.models.llama3.args import Llama3ModelArgs, llama3_flavors
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, model_shape, plan
 

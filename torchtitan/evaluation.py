@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan.config.job_config import JobConfig
 from torchtitan.components.validate import Validator
+from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.data_parallel import DTYPES
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec

@@ -224,7 +224,6 @@ def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) 
     # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one.
     gathered = 2 * c * m.block_params / tp if fsdp else 0
 
-    static = params + optimizer
     phases = {
         "loss (end of forward)": (0, stored + head_saved, loss_transient + gathered),
         # Backward of the last block recomputes its full activations, with the output layer's

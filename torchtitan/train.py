@@ -20,17 +20,17 @@ from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
-from torchtitan.components.validate import Validator
 from torchtitan.components.provenance import save_provenance
+from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, JobConfig, load_config
 from torchtitan.config.loading import config_to_dict, config_to_toml, format_help
 from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.data import DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.data_parallel import DTYPES
 from torchtitan.distributed.grad_norm import clip_grad_norm_
-from torchtitan.data import DataError
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_command, run_module
+from tests.conftest import REPO, run_module
 from torchtitan.components.checkpoint import SLOW_SAVE_ENV, complete_steps
 
 # The debug model at seq 256 in fp32: slow enough (~0.3 s/step) to stop a run between checkpoints.

@@ -6,8 +6,16 @@ import torch
 from torchtitan.config import load_config
 from torchtitan.inference import build_model
 from torchtitan.planner import (
-    GIB, CpuTiming, PlanError, cpu_step_seconds, layer_activation_bytes, model_shape, plan, predict_memory,
-    resolve_layout, uses_autocast,
+    GIB,
+    CpuTiming,
+    PlanError,
+    cpu_step_seconds,
+    layer_activation_bytes,
+    model_shape,
+    plan,
+    predict_memory,
+    resolve_layout,
+    uses_autocast,
 )
 
 

@@ -10,8 +10,6 @@ import signal
 import torch
 import torch.distributed as dist
 
-from torchtitan.log import logger
-
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -22,7 +22,6 @@ from torchtitan.config.job_config import Validation
 from torchtitan.data import DataError, Tokenizer, build_dataloader
 from torchtitan.distributed.collectives import sum_over
 
-
 # (model parts, input_ids, labels) -> (summed token cross-entropy, valid tokens) of one batch on this rank.
 BatchLoss = Callable[[list[nn.Module], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

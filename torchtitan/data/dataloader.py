@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.data.dataset import PackedTokenDataset, StreamPosition
 from torchtitan.components.preemption import ignore_preemption_signals
+from torchtitan.data.dataset import PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer

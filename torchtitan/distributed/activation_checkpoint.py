@@ -6,7 +6,6 @@ block and recomputes the rest (cheap element-wise ops and the other matmuls).
 """
 
 from collections import defaultdict
-from functools import partial
 
 import torch
 from torch import nn

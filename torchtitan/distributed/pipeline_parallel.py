@@ -167,7 +167,7 @@ def build_pipeline(
     wrap them in the configured schedule. The loss is computed on the last stage as ``loss_fn(logits,
     labels, **loss_kwargs)`` without the schedule's own scaling: our loss is already divided by the
     global token count."""
-    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    pp_rank = pp_mesh.get_local_rank()
     n_layers = len(model.layers)
     placement = stage_placement(p, n_layers)
     num_stages = sum(len(stages) for stages in placement.values())
