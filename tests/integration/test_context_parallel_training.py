@@ -4,8 +4,8 @@ import pytest
 
 from tests.integration.test_distributed import assert_matches, reference  # noqa: F401
 from tests.integration.test_pipeline import (
-    assert_eight_processes_match_single_process,
     assert_resumes_under_another_layout,
+    assert_tiny_matches_single_process,
     train,
 )
 
@@ -29,9 +29,17 @@ def test_context_parallel_layouts_match_single_process(tmp_path, reference, layo
 
 @pytest.mark.slow
 def test_cp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
-    assert_eight_processes_match_single_process(
-        tmp_path, ["--training.local_batch_size", "8", *CP2, "--parallelism.tensor_parallel_degree", "2",
-                   "--parallelism.pipeline_parallel_degree", "2"])
+    assert_tiny_matches_single_process(
+        tmp_path, 8, ["--training.local_batch_size", "8", *CP2, "--parallelism.tensor_parallel_degree", "2",
+                      "--parallelism.pipeline_parallel_degree", "2"])
+
+
+@pytest.mark.slow
+def test_fsdp2_cp2_tp2_pp2_on_sixteen_processes_matches_single_process(tmp_path):
+    """All four dimensions in one mesh."""
+    assert_tiny_matches_single_process(
+        tmp_path, 16, ["--training.local_batch_size", "4", *CP2, "--parallelism.tensor_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_degree", "2"])
 
 
 @pytest.mark.slow

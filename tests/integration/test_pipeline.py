@@ -44,10 +44,25 @@ def test_every_schedule_matches_single_process(tmp_path, reference, schedule):  
 LAYOUTS = {
     "pp2_accum2": (2, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-    "pp2_microbatch2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    "pp2_microbatch2": (2, ["--training.local_batch_size", "8",
+                            "--parallelism.pipeline_parallel_microbatch_size", "2"]),
     "pp2_fsdp2": (4, ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"]),
     "pp2_tp2": (4, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_looped_2_layers_per_stage": (2, ["--training.local_batch_size", "8",
+                                          "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
+                                          "--parallelism.pipeline_parallel_layers_per_stage", "2"]),
 }
+
+
+@pytest.mark.slow
+def test_explicit_module_names_per_stage(tmp_path, reference):  # noqa: F811
+    """An uneven cut given by name: 5 blocks on the first stage, 1 with the output on the second."""
+    toml = tmp_path / "uneven.toml"
+    toml.write_text(f'extends = "{Path(CONFIG).resolve()}"\n[parallelism]\nmodule_fqns_per_model_part = '
+                    '[["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4"], '
+                    '["layers.5", "norm", "output"]]\n')
+    rows = train(tmp_path / "run", 2, ["--training.local_batch_size", "8", *PP2], config=str(toml))
+    assert_matches(rows, reference)
 
 
 @pytest.mark.slow
@@ -74,8 +89,8 @@ def assert_same_steps(rows: list[dict], expected: list[dict]) -> None:
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
 
 
-def assert_eight_processes_match_single_process(tmp_path: Path, flags: list[str]) -> None:
-    """4 steps of the tiny flavor (fp32, batch 8) on 8 processes against one process."""
+def assert_tiny_matches_single_process(tmp_path: Path, nproc: int, flags: list[str]) -> None:
+    """4 steps of the tiny flavor (fp32, global batch 8) on ``nproc`` processes against one process."""
     common = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
               "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
     config = "train_configs/tiny.toml"
@@ -83,7 +98,7 @@ def assert_eight_processes_match_single_process(tmp_path: Path, flags: list[str]
     result = run_module("torchtitan.train", "--job.config_file", config, *common, "--training.local_batch_size", "8",
                         f"--job.dump_folder={single}")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = train(tmp_path / "eight", 8, flags, config=config, common=common)
+    rows = train(tmp_path / "parallel", nproc, flags, config=config, common=common)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert_same_steps(rows, read_rows(single))
 
@@ -106,8 +121,8 @@ def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[
 
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
-    assert_eight_processes_match_single_process(
-        tmp_path, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *PP2])
+    assert_tiny_matches_single_process(
+        tmp_path, 8, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *PP2])
 
 
 @pytest.mark.slow
