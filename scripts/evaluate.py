@@ -14,11 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError
 from torchtitan.data import DataError
+from torchtitan.device_arg import default_device, parse_device
 from torchtitan.evaluation import evaluate
 
 
@@ -26,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("--config", required=True,
-                        help="the TOML the checkpoint was trained with (a run's resolved {dump_folder}/config.toml is best)")
+                        help="the TOML the checkpoint was trained with "
+                             "(a run's resolved {dump_folder}/config.toml is best)")
     parser.add_argument("--checkpoint", help="DCP step folder or Hugging Face folder (default: untrained weights)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda, cpu, ... (default: cuda if available)")
+    parser.add_argument("--device", default=default_device(),
+                        help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args, overrides = parser.parse_known_args(argv)
     bad = [flag for flag in overrides if flag.startswith("-") and not flag.startswith("--") or flag == "--"]
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ValueError(f"--checkpoint {args.checkpoint} is not a folder; give a DCP step folder or HF folder")
-        result = evaluate(args.config, args.checkpoint, overrides=overrides, device=args.device)
+        device = parse_device(args.device)
+        result = evaluate(args.config, args.checkpoint, overrides=overrides, device=device)
     except (ConfigError, CheckpointError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,17 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
+from torchtitan.device_arg import default_device, parse_device
 from torchtitan.generation import SamplingConfig, generate
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top_p", type=float, default=1.0,
                         help="sample among the most likely tokens holding this probability mass; 1 = all (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--device", default=default_device(), help="cuda, cpu, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--device", default=default_device(),
+                        help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--no_stop_at_eos", action="store_true", help="keep generating past the end-of-text token")
     return parser.parse_args(argv)
 
@@ -49,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling.check()
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ValueError(f"--checkpoint {args.checkpoint} is not a folder; give a DCP step folder or HF folder")
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device} asks for CUDA, which this machine does not have; use cpu")
+        device = parse_device(args.device)
         cfg, _ = load_config(["--job.config_file", args.config])
         tokenizer = get_train_spec(cfg.model.name).build_tokenizer_fn(cfg.model.hf_assets_path)
         model = load_model(args.config, args.checkpoint, device=str(device))

@@ -13,18 +13,49 @@ from collections.abc import Callable
 import torch
 
 from torchtitan.components.validate import Validator
+from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.data_parallel import DTYPES
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
 
 
-def compute_autocast(cfg: JobConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """The trainer's precision on one process: autocast to the compute dtype if it differs from storage."""
+def uses_autocast(cfg: JobConfig, fsdp_enabled: bool = False) -> bool:
+    """The trainer's precision rule, shared by training, evaluation and the planner.
+
+    FSDP's mixed-precision policy casts the parameters to the compute dtype itself, so autocast is
+    only needed without FSDP, and only when the compute dtype (training.mixed_precision_param)
+    differs from the dtype the parameters are stored in (training.dtype).
+    """
     compute_dtype = DTYPES[cfg.training.mixed_precision_param]
-    if compute_dtype == DTYPES[cfg.training.dtype]:
+    return not fsdp_enabled and compute_dtype != DTYPES[cfg.training.dtype]
+
+
+def compute_autocast(
+    cfg: JobConfig, device: torch.device, fsdp_enabled: bool = False
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context the trainer computes in: autocast to the compute dtype when
+    ``uses_autocast`` says so, else a no-op context."""
+    if not uses_autocast(cfg, fsdp_enabled):
         return contextlib.nullcontext
+    compute_dtype = DTYPES[cfg.training.mixed_precision_param]
     return lambda: torch.autocast(device.type, dtype=compute_dtype)
+
+
+def check_validation_shape(cfg: JobConfig, sources: ConfigSources) -> None:
+    """Raise ConfigError unless the validation batches fit the model.
+
+    Config validation only checks [validation] when training validates (validation.enable), but an
+    evaluation always reads it; a seq_len beyond training.seq_len would index past the model's RoPE
+    table and fail deep inside the forward with a shape error.
+    """
+    v, longest = cfg.validation, cfg.training.seq_len
+    if not 0 < v.seq_len <= longest:
+        raise ConfigError(f"{sources.describe('validation.seq_len')}: validation.seq_len = {v.seq_len} is invalid; "
+                          f"it must be in 1..{longest} (training.seq_len, the longest sequence the model is built for)")
+    if v.local_batch_size < 1:
+        raise ConfigError(f"{sources.describe('validation.local_batch_size')}: validation.local_batch_size = "
+                          f"{v.local_batch_size} is invalid; it must be >= 1")
 
 
 def evaluate(
@@ -42,7 +73,8 @@ def evaluate(
     from torchtitan.config import load_config
 
     device = torch.device(device)
-    cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
+    cfg, sources = load_config(["--job.config_file", str(config_file), *overrides])
+    check_validation_shape(cfg, sources)
     model = load_model(config_file, checkpoint, device=str(device), overrides=overrides)
     model.to(DTYPES[cfg.training.dtype])  # the dtype the trainer stores (and validates) parameters in
     spec = get_train_spec(cfg.model.name)
