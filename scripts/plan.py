@@ -5,16 +5,43 @@
 
 Prints a table of parameters, gradients, optimizer state, activations and transient buffers per
 device, the predicted step time, and whether it fits (exit code 3 when it does not). Trainer flags
-(--section.field value) after the options override the config, as for the trainer.
+(--section.field value) after the options override the config, as for the trainer. The config is
+checked as the trainer checks it first (exit code 2 with one line naming the problem). On CPU the
+step time is measured by training the model cut to one and two blocks, which is skipped when the
+run does not fit the machine or a block is large (over 200M parameters).
 """
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
-from torchtitan.config import ConfigError, load_config
+from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
+from torchtitan.config.validation import TOKENIZER_FILES, import_custom_modules, validate_config
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, plan
+from torchtitan.protocols.train_spec import get_train_spec
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+
+
+def validate(cfg: JobConfig, sources: ConfigSources, world_size: int, vocab_size: int | None) -> None:
+    """The trainer's own config checks, so a plan is only made for a config that would start.
+
+    Planning needs the tokenizer only for its vocabulary size. When the flavor fixes it (or
+    --vocab_size gives it) and the tokenizer has not been downloaded yet, the checks run against the
+    repository's bundled tokenizer instead, so a plan can be made before the download.
+    """
+    import_custom_modules(cfg, sources)
+    folder = Path(cfg.model.hf_assets_path)
+    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    try:
+        flavor_vocab = getattr(get_train_spec(cfg.model.name).flavors.get(cfg.model.flavor), "vocab_size", None)
+    except KeyError:
+        flavor_vocab = None  # validate_config names the unknown model
+    if not has_tokenizer and (flavor_vocab or vocab_size) and BUNDLED_TOKENIZER.is_dir():
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_assets_path=str(BUNDLED_TOKENIZER)))
+    validate_config(cfg, sources, world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world_size", type=int, default=1,
                         help="devices in the run (default 1); the config's parallel degrees must multiply to it")
     parser.add_argument("--efficiency", type=float,
-                        help="fraction of peak FLOP/s reached (default 0.40 on GPUs; on CPU the kernels are timed instead)")
+                        help="fraction of peak FLOP/s reached (default 0.40 on GPUs; "
+                             "on CPU the kernels are timed instead)")
     parser.add_argument("--vocab_size", type=int,
                         help="vocabulary size, for flavors that take it from a tokenizer you do not have locally")
     args, overrides = parser.parse_known_args(argv)
@@ -33,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --world_size {args.world_size} is invalid; it must be >= 1", file=sys.stderr)
         return 2
     try:
-        cfg, _ = load_config(["--job.config_file", args.config, *overrides])
+        cfg, sources = load_config(["--job.config_file", args.config, *overrides])
+        validate(cfg, sources, args.world_size, args.vocab_size)
         result = plan(cfg, args.device, args.world_size, args.efficiency, args.vocab_size)
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)

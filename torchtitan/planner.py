@@ -6,8 +6,10 @@ for backward (docs/planning.md lists them op by op). Step time is the training F
 executes, split into matmul and attention FLOPs: on GPUs divided by the peak FLOP/s times an
 efficiency. On CPU a short calibration times the model itself cut to one and to two blocks at the
 config's batch and length (attention kernels and element-wise work run far below the matmul peak
-there, so no single efficiency fits) and scales by the layers, recomputation and layout. Estimates for pipeline stages and selective per-op checkpointing are
-coarser than the rest; the docs say how.
+there, so no single efficiency fits) and scales by the layers, recomputation and layout (skipped,
+and the step time reported as not measured, when the run would not fit the machine or its blocks
+are large). Pipeline ranks are predicted one by one from the trainer's own stage split; their
+activations in flight and selective per-op checkpointing are coarser than the rest; the docs say how.
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ from torch import nn
 
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
+from torchtitan.evaluation import uses_autocast
 from torchtitan.protocols.train_spec import get_train_spec
 
 GIB = 2**30
@@ -33,6 +36,9 @@ DEVICE_PEAK_NAMES = {"H100": "H100", "H200": "H200", "A100": "A100", "B200": "B2
 # Fraction of the dense peak a tuned bf16 training run reaches on GPUs (MFU reported for Llama-style
 # dense models is typically 35-45%).
 GPU_EFFICIENCY = 0.40
+# The CPU calibration trains the real-width model cut to two blocks; above this many parameters per
+# block (a 2-block model with AdamW state then needs several GiB and minutes) it is not attempted.
+CPU_TIMING_MAX_BLOCK_PARAMS = 200_000_000
 
 
 class PlanError(ValueError):
@@ -101,8 +107,8 @@ class Plan:
     tokens_per_device: float  # per optimizer step
     flops_per_device: float  # per optimizer step, recomputation included
     peak_tflops: float
-    speed: str  # how the step time was derived
-    step_time_s: float
+    speed: str  # how the step time was derived (or why it was not)
+    step_time_s: float | None  # None when it was not measured
 
     @property
     def fits(self) -> bool:
@@ -170,41 +176,98 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     return norms + linear_inputs + attention + wo_input + ffn
 
 
-def uses_autocast(cfg: JobConfig, fsdp: bool = False) -> bool:
-    """The trainer autocasts when FSDP is off and the compute dtype differs from the storage dtype."""
-    return not fsdp and cfg.training.mixed_precision_param != cfg.training.dtype
+@dataclass
+class PipelineRank:
+    """What one pipeline rank holds: its blocks, whether it has the embedding / the head, and how many
+    blocks' activations it keeps alive at once, counted in micro-batch x block units."""
+
+    blocks: int
+    first: bool
+    last: bool
+    saved_blocks: int  # micro-batch x block activation sets alive at the peak
+    head_in_flight: int  # micro-batches whose loss tensors the last stage keeps until their backward
+
+
+# Schedules that run every micro-batch's forward through a rank's stages before any backward.
+ALL_FORWARDS_FIRST = ("GPipe", "LoopedBFS")
+
+
+def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: Layout) -> list[PipelineRank]:
+    """Per pipeline rank: the blocks it holds (the trainer's own stage split) and its activations in flight.
+
+    Rule, with n_mb = local_batch_size / pipeline_parallel_microbatch_size micro-batches per step and
+    S stages in all:
+      - GPipe and LoopedBFS run every forward before the first backward: all n_mb micro-batches of
+        every local stage are alive, n_mb x (blocks on the rank).
+      - The 1F1B family (1F1B, Interleaved1F1B, the zero-bubble and V schedules) starts backwards as
+        soon as the pipeline is full: at most min(n_mb x local stages, S) stage forwards are alive on
+        the first rank, each of one stage's blocks. With one stage per rank that is min(n_mb, pp)
+        micro-batches, the warm-up of plain 1F1B's first stage.
+      - A CSV schedule may order its actions any way: counted as every forward first (an upper bound).
+    Gradient accumulation runs whole pipeline steps one after another, so it does not raise the peak.
+    """
+    p = cfg.parallelism
+    if layout.pp == 1:
+        return [PipelineRank(m.n_layers, first=True, last=True, saved_blocks=m.n_layers, head_in_flight=1)]
+    from torchtitan.distributed import pipeline_parallel as pipe  # imports torch.distributed.pipelining
+
+    try:
+        placement = pipe.stage_placement(p, m.n_layers)
+        num_stages = sum(len(stages) for stages in placement.values())
+        names = pipe.stage_module_names(p, m.n_layers, num_stages)
+    except ValueError as e:
+        raise PlanError(f"parallelism.pipeline_parallel_degree = {layout.pp} cannot be laid out: {e}") from None
+    stage_blocks = [sum(name.startswith("layers.") for name in stage) for stage in names]
+    n_mb = max(1, cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
+    all_forwards_first = bool(p.pipeline_parallel_schedule_csv) or p.pipeline_parallel_schedule in ALL_FORWARDS_FIRST
+    ranks = []
+    for stages in placement.values():
+        blocks = sum(stage_blocks[s] for s in stages)
+        if all_forwards_first:
+            saved = n_mb * blocks
+        else:
+            saved = min(n_mb * len(stages), num_stages) * max(stage_blocks[s] for s in stages)
+        ranks.append(PipelineRank(blocks=blocks, first=0 in stages, last=num_stages - 1 in stages,
+                                  saved_blocks=saved, head_in_flight=n_mb if all_forwards_first else 1))
+    return ranks
 
 
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) -> Memory:
+    """The busiest device's peak: each pipeline rank is predicted and the largest total kept."""
+    return max((rank_memory(m, cfg, layout, on_cpu, rank) for rank in pipeline_ranks(m, cfg, layout)),
+               key=lambda memory: memory.total)
+
+
+def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, rank: PipelineRank) -> Memory:
     t = cfg.training
     s, c = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.mixed_precision_param]
     fsdp = layout.fsdp > 1
-    tp, pp = layout.tp, layout.pp
+    tp = layout.tp
     autocast = uses_autocast(cfg, fsdp)
-    layers = math.ceil(m.n_layers / pp)
     # Parameters on this device: blocks split by TP (norm weights are small and counted as split
-    # too), layers split by PP; the first stage holds the embedding, the last the final norm and
-    # output: take the larger of the two for the busiest stage. FSDP shards all of it.
+    # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
     outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
-    head_params = max(m.embedding_params, outside_blocks - m.embedding_params) if pp > 1 else outside_blocks
-    params_local = (layers * m.block_params + head_params) / tp / layout.fsdp
+    head_params = (m.embedding_params if rank.first else 0) + (outside_blocks - m.embedding_params if rank.last else 0)
+    params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp
     params = params_local * s
     grads = params_local * s
     optimizer = 2 * params_local * s if cfg.optimizer.name in ("AdamW", "Adam") else 0
 
-    tokens = t.local_batch_size * t.seq_len / layout.cp  # one micro-batch
-    # 1F1B keeps up to pp micro-batches in flight on the first stage.
-    in_flight = min(pp, max(1, grad_accum_steps(cfg, layout))) if pp > 1 else 1
+    # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
+    sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size
+    tokens = sequences * t.seq_len / layout.cp
     full_layer = layer_activation_bytes(m, cfg, on_cpu, tp) * tokens
     residual = (4 if autocast else c) * m.dim * tokens  # a checkpointed block saves only its input
     weight_copies = c * m.block_linear_params / tp if autocast else 0  # autocast's casts, saved by matmuls
     ac = cfg.activation_checkpoint
+    # Of the rank.saved_blocks block activations alive, how many are checkpointed.
     if ac.mode == "none":
         checkpointed = 0
     elif ac.mode == "full" or ac.selective_ac_option == "op":
-        checkpointed = layers
+        checkpointed = rank.saved_blocks
     else:
-        checkpointed = math.ceil(layers / int(ac.selective_ac_option))
+        # Every N-th block; a pipeline rank's share is counted in proportion to its blocks.
+        checkpointed = math.ceil(rank.saved_blocks / int(ac.selective_ac_option))
     if ac.mode == "selective" and ac.selective_ac_option == "op":
         # Attention outputs and about half of the matmul outputs are kept (the every-other-matmul
         # rule alternates between blocks); the rest is recomputed.
@@ -212,27 +275,27 @@ def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) 
         kept = residual + (4 if on_cpu else c) * m.q_dim / tp * tokens + matmul_outputs * tokens
     else:
         kept = residual
-    stored = (checkpointed * kept + (layers - checkpointed) * (full_layer + weight_copies)) * in_flight
+    stored = checkpointed * kept + (rank.saved_blocks - checkpointed) * (full_layer + weight_copies)
 
-    # The model's head: the final norm and the output layer's input, then the loss's fp32
-    # log-probabilities (kept for backward); while the loss runs forward and its backward starts,
-    # two more fp32 logit-sized buffers are alive. Under TP with loss parallel the vocab is split.
+    # The model's head (last stage only): the final norm and the output layer's input, then the
+    # loss's fp32 log-probabilities (kept for backward); while the loss runs forward and its backward
+    # starts, two more fp32 logit-sized buffers are alive. Under TP with loss parallel the vocab is split.
     vocab = m.vocab / tp
     norm = (2 * 4 * m.dim + 4) if autocast else (2 * c * m.dim + 4)
-    head_saved = (norm + c * m.dim + 4 * vocab) * tokens + (c * m.output_params / tp if autocast else 0)
-    loss_transient = 2 * 4 * vocab * tokens
+    head_saved = head_transient = output_grad = 0.0
+    if rank.last:
+        head_saved = (norm + c * m.dim + 4 * vocab) * tokens * rank.head_in_flight
+        head_saved += c * m.output_params / tp if autocast else 0
+        head_transient = 2 * 4 * vocab * tokens
+        output_grad = m.output_params * s / tp / layout.fsdp
     # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one.
     gathered = 2 * c * m.block_params / tp if fsdp else 0
 
     phases = {
-        "loss (end of forward)": (0, stored + head_saved, loss_transient + gathered),
+        "loss (end of forward)": (0, stored + head_saved, head_transient + gathered),
         # Backward of the last block recomputes its full activations, with the output layer's
         # gradient already allocated and the head's saved tensors already freed.
-        "recompute in backward": (
-            m.output_params * s / tp / layout.fsdp,
-            stored,
-            (full_layer + weight_copies + gathered) if checkpointed else 0,
-        ),
+        "recompute in backward": (output_grad, stored, (full_layer + weight_copies + gathered) if checkpointed else 0),
         "optimizer step": (grads, 0, gathered / 2),
     }
     phase, (grad_bytes, act_bytes, transient_bytes) = max(phases.items(), key=lambda kv: sum(kv[1]))
@@ -364,6 +427,20 @@ def device_capacity_and_peak(device: str, compute_dtype: str) -> tuple[float, fl
     return DEVICE_MEMORY_GIB[device], peak
 
 
+def cpu_timing_risk(m: ModelShape, memory: Memory, capacity_gib: float) -> str | None:
+    """Why timing the model on this CPU could exhaust the machine, or None when it is safe.
+
+    The calibration builds the real-width model with one and two blocks and trains it for a few steps,
+    so it needs about what the prediction says for two blocks plus the embedding and output.
+    """
+    if memory.total > capacity_gib * GIB:
+        return "the run does not fit this machine's memory, so timing it could exhaust it"
+    if m.block_params > CPU_TIMING_MAX_BLOCK_PARAMS:
+        return (f"one block has {m.block_params / 1e6:,.0f}M parameters "
+                f"(over {CPU_TIMING_MAX_BLOCK_PARAMS / 1e6:.0f}M), too large to time safely on a CPU")
+    return None
+
+
 def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | None = None,
          vocab_size: int | None = None, cpu_timing: CpuTiming | None = None) -> Plan:
     """The prediction for ``cfg`` on ``world_size`` devices of kind ``device``.
@@ -380,10 +457,15 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
     if efficiency is not None and not 0 < efficiency <= 1:
         raise PlanError(f"efficiency = {efficiency} is invalid; it must be in (0, 1]")
     if device == "CPU" and efficiency is None:
-        timing = cpu_timing or measure_cpu_timing(cfg, m.vocab)
-        step_time = cpu_step_seconds(m, cfg, layout, timing)
-        speed = (f"from a block timed at {timing.block * 1e3:.1f} ms, the rest at {timing.rest * 1e3:.1f} ms "
-                 f"per micro-batch on this CPU")
+        unsafe = cpu_timing_risk(m, memory, capacity) if cpu_timing is None else None
+        if unsafe:
+            step_time = None
+            speed = f"not measured: {unsafe}; pass --efficiency to estimate it from the peak instead"
+        else:
+            timing = cpu_timing or measure_cpu_timing(cfg, m.vocab)
+            step_time = cpu_step_seconds(m, cfg, layout, timing)
+            speed = (f"from a block timed at {timing.block * 1e3:.1f} ms, the rest at {timing.rest * 1e3:.1f} ms "
+                     f"per micro-batch on this CPU")
     else:
         efficiency = efficiency or GPU_EFFICIENCY
         step_time = (matmul + attention) / (peak * 1e12 * efficiency)
@@ -409,11 +491,12 @@ def format_plan(p: Plan) -> str:
         *(f"| {name:<20} | {value / GIB:>10.3f} |" for name, value in rows),
         "",
         f"peak phase: {mem.peak_phase}",
-        f"step time: {p.step_time_s:.3f} s  ({p.tokens_per_device:,.0f} tokens/device, "
-        f"{p.flops_per_device / 1e12:.3f} TFLOP/device, {p.speed})",
+        f"step time: {'-' if p.step_time_s is None else f'{p.step_time_s:.3f} s'}  "
+        f"({p.tokens_per_device:,.0f} tokens/device, {p.flops_per_device / 1e12:.3f} TFLOP/device, {p.speed})",
     ]
     if p.fits:
-        lines.append(f"fits: {mem.total / GIB:.2f} of {p.capacity_gib:.1f} GiB ({mem.total / GIB / p.capacity_gib:.0%})")
+        share = mem.total / GIB / p.capacity_gib
+        lines.append(f"fits: {mem.total / GIB:.2f} of {p.capacity_gib:.1f} GiB ({share:.0%})")
     else:
         lines.append(f"DOES NOT FIT: needs {mem.total / GIB:.2f} GiB per device, the {p.device} has "
                      f"{p.capacity_gib:.1f} GiB")

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from scripts import plan as plan_script
+from torchtitan import planner
 from torchtitan.config import load_config
 from torchtitan.inference import build_model
 from torchtitan.planner import (
@@ -12,6 +14,7 @@ from torchtitan.planner import (
     cpu_step_seconds,
     layer_activation_bytes,
     model_shape,
+    pipeline_ranks,
     plan,
     predict_memory,
     resolve_layout,
@@ -121,3 +124,66 @@ def test_cpu_step_time_scales_the_timed_parts_by_layers_recomputation_and_accumu
     # The calibration itself: a block of the real model takes measurable time.
     measured = plan(config("--training.seq_len", "64", "--training.local_batch_size", "1"), "CPU")
     assert measured.step_time_s > 0 and "timed" in measured.speed
+
+
+def pipeline_config(*overrides):
+    return config("--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "256", *overrides)
+
+
+def test_pipeline_activations_follow_micro_batches_and_schedule_not_accumulation():
+    def activations(*overrides):
+        return plan(pipeline_config(*overrides), "H100", world_size=2).memory.activations
+
+    base = activations()
+    # Accumulation steps run one after another: a larger global batch does not raise the peak.
+    assert activations("--training.global_batch_size", "32") == base
+    assert activations("--training.global_batch_size", "64") == base
+    # GPipe keeps all 8 micro-batches alive, 1F1B at most one per stage (2).
+    assert activations("--parallelism.pipeline_parallel_schedule", "GPipe") > 2 * base
+    # Twice the sequences per micro-batch, the same number in flight: twice the activations (fp32, so
+    # no autocast weight copies, which do not grow with tokens).
+    fp32 = ("--training.mixed_precision_param", "float32")
+    assert activations(*fp32, "--parallelism.pipeline_parallel_microbatch_size", "2") == pytest.approx(
+        2 * activations(*fp32))
+
+
+def test_pipeline_ranks_use_the_trainer_stage_split():
+    # debugmodel: 6 blocks + embedding + output "layers", split evenly; the ends give up one block each.
+    for pp, blocks in (("2", [3, 3]), ("4", [1, 2, 2, 1])):
+        cfg = config("--parallelism.pipeline_parallel_degree", pp)
+        ranks = pipeline_ranks(model_shape(cfg), cfg, resolve_layout(cfg, int(pp)))
+        assert [r.blocks for r in ranks] == blocks
+        assert [r.first for r in ranks] == [True] + [False] * (int(pp) - 1)
+        assert [r.saved_blocks for r in ranks] == [int(pp) * b for b in blocks]  # 1F1B: min(8, pp) micro-batches
+
+
+def run_plan(capsys, *argv):
+    code = plan_script.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model.flavor", "nope"], "model.flavor = 'nope' is not a flavor"),
+    (["--model.name", "nope"], "model.name = 'nope' is unknown"),
+    (["--training.seq_len", "0"], "training.seq_len = 0 is invalid"),
+    (["--world_size", "3", "--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "3072"],
+     "n_heads 16 is not divisible by the tensor-parallel degree 3"),
+])
+def test_plan_script_rejects_invalid_configs_in_one_line(capsys, flags, message):
+    code, out, err = run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_plan_script_does_not_time_a_run_that_cannot_fit_the_cpu(capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU calibration must not run")
+
+    monkeypatch.setattr(planner, "measure_cpu_timing", refuse)
+    # 405B cannot fit; the 8B's blocks are over the 200M-parameter limit even when the memory is assumed to fit.
+    code, out, _ = run_plan(capsys, "--config", "train_configs/llama3_405b.toml", "--device", "CPU")
+    assert code == 3 and "step time: -" in out and "not measured: the run does not fit" in out
+    monkeypatch.setattr(planner, "cpu_memory_gib", lambda: 1e6)
+    code, out, _ = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--device", "CPU")
+    assert code == 0 and "not measured: one block has 218M parameters" in out
