@@ -8,10 +8,14 @@ Rules (docs/planning.md):
   steps          ceil(tokens / (global_batch_size x seq_len))
   warmup_steps   2% of the steps, at least 1
   parallelism    FSDP over all ranks; if the planner says the model does not fit the device, tensor
-                 parallelism within a node (2, 4, ... up to gpus_per_node) until it does;
+                 parallelism within a node (2, 4, ... dividing gpus_per_node) until it does; degrees the
+                 config validation rejects (e.g. not dividing the heads) are skipped;
                  --tp/--pp/--dp_shard override
   batch          local_batch_size = the largest divisor of global_batch / dp that is <= 8 (or
-                 --local_batch_size); gradient accumulation makes up the rest of the global batch
+                 --local_batch_size), and with --pp at least the number of pipeline stages;
+                 gradient accumulation makes up the rest of the global batch
+The TOML is validated as the trainer validates it before it is written (exit code 2 if no valid
+layout exists).
 Custom dimensions (--dim --n_layers ...) instead of --flavor register a flavor named --name from a
 small Python module written next to the TOML (experimental.custom_import), so the trainer can build it.
 """
@@ -19,12 +23,15 @@ small Python module written next to the TOML (experimental.custom_import), so th
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 
-from torchtitan.config import ConfigError, load_config
+from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
 from torchtitan.config.loading import config_to_toml
+from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.distributed.pipeline_parallel import count_stages
 from torchtitan.models.llama3.args import Llama3ModelArgs, llama3_flavors
-from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, model_shape, plan
+from torchtitan.planner import DEVICE_MEMORY_GIB, GPU_EFFICIENCY, PlanError, model_shape, plan
 
 TOKENS_PER_PARAM = 22
 WARMUP_FRACTION = 0.02
@@ -42,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for dim in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
         model.add_argument(f"--{dim}", type=int, help=f"custom model: {dim}")
     model.add_argument("--ffn_dim_multiplier", type=float, help="custom model: ffn_dim_multiplier")
-    model.add_argument("--hf_assets_path", default="assets/tokenizer", help="tokenizer folder (default: assets/tokenizer)")
+    model.add_argument("--hf_assets_path", default="assets/tokenizer",
+                       help="tokenizer folder (default: assets/tokenizer)")
     cluster = parser.add_argument_group("cluster and batch")
     cluster.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     cluster.add_argument("--gpus_per_node", type=int, default=8, help="devices per node (default 8)")
@@ -70,7 +78,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first bad flag."""
     custom = {d: getattr(args, d) for d in CUSTOM_DIMS if getattr(args, d) is not None}
     if (args.flavor is None) == (not custom):
-        raise ValueError("give either --flavor or custom dimensions (--dim --n_layers --n_heads ...), not both or neither")
+        raise ValueError("give either --flavor or custom dimensions (--dim --n_layers --n_heads ...), "
+                         "not both or neither")
     if args.flavor is not None and args.flavor not in llama3_flavors:
         raise ValueError(f"--flavor {args.flavor} is not registered; valid: {', '.join(llama3_flavors)}")
     if custom and not all(d in custom for d in ("dim", "n_layers", "n_heads")):
@@ -93,9 +102,13 @@ def warmup_for(steps: int) -> int:
     return max(1, round(WARMUP_FRACTION * steps))
 
 
-def local_batch_for(per_rank: int) -> int:
-    """The largest divisor of per_rank sequences that is <= MAX_LOCAL_BATCH."""
-    return max(d for d in range(1, min(per_rank, MAX_LOCAL_BATCH) + 1) if per_rank % d == 0)
+def local_batch_for(per_rank: int, at_least: int = 1, multiple_of: int = 1) -> int:
+    """The largest divisor of per_rank sequences that is <= MAX_LOCAL_BATCH, a multiple of
+    multiple_of and >= at_least (under PP, more micro-batches than stages); if the cap leaves none, the
+    smallest such divisor above it. per_rank must be >= at_least."""
+    divisors = [d for d in range(at_least, per_rank + 1) if per_rank % d == 0 and d % multiple_of == 0]
+    capped = [d for d in divisors if d <= MAX_LOCAL_BATCH]
+    return max(capped) if capped else min(divisors)
 
 
 def custom_flavor_module(args: argparse.Namespace) -> tuple[Path, str, str]:
@@ -118,15 +131,21 @@ def custom_flavor_module(args: argparse.Namespace) -> tuple[Path, str, str]:
 
 
 def build(args: argparse.Namespace) -> tuple[str, dict, str | None]:
-    """(TOML text, a summary of the choices, flavor-module source or None)."""
+    """(TOML text, a summary of the choices, flavor-module source or None).
+
+    Every candidate layout is checked by the trainer's own config validation, and the chosen TOML is
+    read back and validated again, so what is written is a config the trainer accepts.
+    """
     world = args.nodes * args.gpus_per_node
     overrides = ["--model.hf_assets_path", args.hf_assets_path, "--training.seq_len", str(args.seq_len),
-                 "--activation_checkpoint.mode", args.activation_checkpoint]
+                 "--activation_checkpoint.mode", args.activation_checkpoint,
+                 "--parallelism.pipeline_parallel_degree", str(args.pp)]
     module_source = None
     if args.flavor is None:
         _, module_name, module_source = custom_flavor_module(args)
         fields = {d: getattr(args, d) for d in CUSTOM_DIMS if getattr(args, d) is not None}
-        llama3_flavors[args.name] = Llama3ModelArgs(**fields)  # this process builds it too
+        # This process builds the model too; the written TOML imports the module instead.
+        llama3_flavors[args.name] = Llama3ModelArgs(**fields)
         overrides += ["--model.flavor", args.name, "--experimental.custom_import", module_name]
     else:
         overrides += ["--model.flavor", args.flavor]
@@ -135,6 +154,10 @@ def build(args: argparse.Namespace) -> tuple[str, dict, str | None]:
     non_embedding = shape.params - shape.embedding_params
     tokens = args.tokens or TOKENS_PER_PARAM * non_embedding
     steps = steps_for(tokens, args.global_batch_size, args.seq_len)
+    # Under PP every stage needs a micro-batch of its own in each step: local_batch_size must give at
+    # least as many micro-batches (of pipeline_parallel_microbatch_size sequences) as there are stages.
+    microbatch = cfg.parallelism.pipeline_parallel_microbatch_size
+    stages = count_stages(cfg.parallelism, shape.n_layers) if args.pp > 1 else 1
 
     def layout_for(tp: int) -> tuple[int, int, int]:
         rest = world // (tp * args.pp)
@@ -146,41 +169,92 @@ def build(args: argparse.Namespace) -> tuple[str, dict, str | None]:
         if args.global_batch_size % dp:
             raise ValueError(f"--global_batch_size {args.global_batch_size} is not divisible by the "
                              f"data-parallel degree {dp}")
-        local = args.local_batch_size or local_batch_for(args.global_batch_size // dp)
-        if (args.global_batch_size // dp) % local:
-            raise ValueError(f"--local_batch_size {local} does not divide the {args.global_batch_size // dp} "
+        per_rank = args.global_batch_size // dp
+        need = stages * microbatch if args.pp > 1 else 1
+        if per_rank < need:
+            raise ValueError(f"--global_batch_size {args.global_batch_size} gives {per_rank} sequence(s) per "
+                             f"data-parallel rank (dp {dp}), fewer than the {need} that --pp {args.pp} needs "
+                             f"({stages} pipeline stages x micro-batch size {microbatch}); use --global_batch_size "
+                             f">= {need * dp} or a smaller --pp")
+        local = args.local_batch_size or local_batch_for(per_rank, at_least=need, multiple_of=microbatch)
+        if per_rank % local:
+            raise ValueError(f"--local_batch_size {local} does not divide the {per_rank} "
                              f"sequences each data-parallel rank gets per step")
+        if local < need:
+            raise ValueError(f"--local_batch_size {local} is invalid with --pp {args.pp}: it must be >= {need} "
+                             f"({stages} pipeline stages x micro-batch size {microbatch})")
         return dp_shard, rest // dp_shard, local
 
-    def with_layout(tp: int):
+    def with_layout(tp: int) -> tuple[JobConfig, ConfigSources]:
         dp_shard, replicate, local = layout_for(tp)
-        return load_config(["--job.config_file", args.base, *overrides,
-                            "--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup_for(steps)),
-                            "--training.global_batch_size", str(args.global_batch_size),
-                            "--training.local_batch_size", str(local),
-                            "--parallelism.tensor_parallel_degree", str(tp),
-                            "--parallelism.pipeline_parallel_degree", str(args.pp),
-                            "--parallelism.data_parallel_shard_degree", str(dp_shard),
-                            "--parallelism.data_parallel_replicate_degree", str(replicate)])[0]
+        flags = ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup_for(steps)),
+                 "--training.global_batch_size", str(args.global_batch_size),
+                 "--training.local_batch_size", str(local),
+                 "--parallelism.tensor_parallel_degree", str(tp),
+                 "--parallelism.data_parallel_shard_degree", str(dp_shard),
+                 "--parallelism.data_parallel_replicate_degree", str(replicate)]
+        if args.pp > 1 and cfg.validation.enable:
+            # Pipeline stages exchange activations of the training batch's shape.
+            flags += ["--validation.local_batch_size", str(local), "--validation.seq_len", str(args.seq_len)]
+        return load_config(["--job.config_file", args.base, *overrides, *flags])
 
-    candidates = [args.tp] if args.tp else [t for t in (1, 2, 4, 8, 16) if t <= args.gpus_per_node]
+    if args.tp:
+        candidates = [args.tp]
+    else:
+        # TP stays within a node (it communicates every layer); the heads and seq_len checks are
+        # left to the config validation below.
+        candidates = [t for t in (1, 2, 4, 8, 16) if t <= args.gpus_per_node and args.gpus_per_node % t == 0
+                      and world % (t * args.pp) == 0]
+    chosen, rejected = None, []
     for tp in candidates:
-        cfg = with_layout(tp)
-        prediction = plan(cfg, args.device, world)
-        if prediction.fits or tp == candidates[-1]:
+        candidate, sources = with_layout(tp)
+        try:
+            validate_config(candidate, sources, world)
+        except ConfigError as e:
+            rejected.append(f"tp {tp}: {e}")
+            continue
+        # Only the memory is used: a fixed efficiency skips the CPU step-time calibration.
+        chosen = candidate, plan(candidate, args.device, world, efficiency=GPU_EFFICIENCY)
+        if chosen[1].fits:
             break
+    if chosen is None:
+        reasons = "; ".join(rejected) or "no tensor-parallel degree divides them"
+        raise ValueError(f"no valid layout for {world} ranks: {reasons}")
+    cfg, prediction = chosen
+    text = config_to_toml(cfg)
+    validate_text(text, world)
+    dp = world // (cfg.parallelism.tensor_parallel_degree * args.pp)
     summary = {"world_size": world, "non_embedding_params": non_embedding, "tokens": tokens, "steps": steps,
                "warmup_steps": cfg.lr_scheduler.warmup_steps, "tp": cfg.parallelism.tensor_parallel_degree,
-               "dp_shard": cfg.parallelism.data_parallel_shard_degree,
+               "pp": args.pp, "dp_shard": cfg.parallelism.data_parallel_shard_degree,
                "local_batch_size": cfg.training.local_batch_size,
-               "grad_accumulation": args.global_batch_size // (cfg.training.local_batch_size * world //
-                                                               (cfg.parallelism.tensor_parallel_degree * args.pp)),
+               "grad_accumulation": args.global_batch_size // (cfg.training.local_batch_size * dp),
                "predicted_gib": prediction.memory.total / 2**30, "fits": prediction.fits}
     header = (f"# Generated by scripts/generate_config.py: {args.nodes} node(s) x {args.gpus_per_node} "
               f"{args.device}, {tokens:.3g} tokens, global batch {args.global_batch_size} x {args.seq_len}.\n"
               f"# Predicted {summary['predicted_gib']:.1f} GiB per device "
               f"({'fits' if prediction.fits else 'DOES NOT FIT'}; scripts/plan.py shows the breakdown).\n\n")
-    return header + config_to_toml(cfg), summary, module_source
+    return header + text, summary, module_source
+
+
+def validate_text(text: str, world: int) -> None:
+    """Read the TOML text back as the trainer will and validate it (ConfigError if it is not valid)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "generated.toml"
+        path.write_text(text)
+        cfg, sources = load_config(["--job.config_file", str(path)])
+        validate_config(cfg, sources, world)
+
+
+def check_flavor_module(path: Path, world: int) -> None:
+    """Import the written flavor module the way the trainer will (from the launch folder) and validate."""
+    cfg, sources = load_config(["--job.config_file", str(path)])
+    sys.path.insert(0, str(Path.cwd()))  # `python -m torchtitan.train` puts the launch folder first
+    try:
+        import_custom_modules(cfg, sources)
+    finally:
+        sys.path.remove(str(Path.cwd()))
+    validate_config(cfg, sources, world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,9 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"would run: {command}")
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
     if module_source is not None:
         custom_flavor_module(args)[0].write_text(module_source)
-    args.output.write_text(text)
+        try:
+            check_flavor_module(args.output, world)
+        except ConfigError as e:
+            print(f"error: the written {args.output} does not validate: {e}", file=sys.stderr)
+            return 2
     print(f"wrote {args.output} (for {world} ranks); run: {command}")
     return 0
 

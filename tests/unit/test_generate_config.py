@@ -1,12 +1,14 @@
 """scripts/generate_config.py: step arithmetic, token budget, and TOMLs that pass config validation."""
 
 import math
+import sys
 
 import pytest
 
 from scripts import generate_config as gc
 from torchtitan.config import load_config
 from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.models.llama3.args import llama3_flavors
 from torchtitan.planner import model_shape
 
 
@@ -60,21 +62,47 @@ def test_tensor_parallel_is_added_when_the_model_does_not_fit(tmp_path, capsys):
     assert not (tmp_path / "x.toml").exists()
 
 
-def test_custom_dimensions_register_a_flavor_the_trainer_can_build(tmp_path, monkeypatch):
+@pytest.fixture
+def forget_mini_flavor():
+    """Remove what the custom-dimensions test registers, even when it fails: other tests expect the built-ins."""
+    yield
+    llama3_flavors.pop("mini", None)
+    sys.modules.pop("gen_flavor", None)
+
+
+def test_custom_dimensions_register_a_flavor_the_trainer_can_build(tmp_path, monkeypatch, forget_mini_flavor):
     from tests.conftest import REPO
-    from torchtitan.models.llama3.args import llama3_flavors
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # as `python -m torchtitan.train` puts the working folder first
 
     out = generate(tmp_path, "--dim", "64", "--n_layers", "2", "--n_heads", "4", "--n_kv_heads", "2",
                    "--name", "mini", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64",
-                   "--hf_assets_path", str(REPO / "assets/tokenizer"), "--base", str(REPO / "train_configs/debug_model.toml"),
-                   "--device", "CPU")
+                   "--hf_assets_path", str(REPO / "assets/tokenizer"),
+                   "--base", str(REPO / "train_configs/debug_model.toml"), "--device", "CPU")
     assert (tmp_path / "gen_flavor.py").is_file()
     cfg = validated(out, world_size=2)
     assert cfg.model.flavor == "mini" and cfg.experimental.custom_import == "gen_flavor"
-    llama3_flavors.pop("mini")  # registered by the generator and the import; other tests expect the built-ins
+
+
+def test_pipeline_gets_a_micro_batch_per_stage_or_a_clear_error(tmp_path, capsys):
+    flags = ["--flavor", "debugmodel", "--pp", "4", "--device", "CPU", "--seq_len", "256"]
+    assert gc.main([*flags, "--global_batch_size", "2", "--output", str(tmp_path / "x.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --global_batch_size 2 gives 1 sequence(s) per data-parallel rank")
+    assert "fewer than the 4 that --pp 4 needs" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.toml").exists()
+    # 8 ranks = pp 4 x dp 2: 4 sequences per rank, one micro-batch for each of the 4 stages.
+    cfg = validated(generate(tmp_path, *flags, "--global_batch_size", "8"), world_size=8)
+    assert cfg.parallelism.pipeline_parallel_degree == 4 and cfg.training.local_batch_size == 4
+
+
+def test_a_tensor_parallel_degree_the_validation_rejects_is_reported(tmp_path, capsys):
+    # debugmodel has 16 heads: tp 3 cannot split them (seq_len 3072 passes the sequence check first).
+    assert gc.main(["--flavor", "debugmodel", "--tp", "3", "--gpus_per_node", "3", "--global_batch_size", "3",
+                    "--seq_len", "3072", "--device", "CPU", "--output", str(tmp_path / "x.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no valid layout for 3 ranks: tp 3:") and "n_heads 16 is not divisible" in err
 
 
 @pytest.mark.parametrize("flags, message", [
