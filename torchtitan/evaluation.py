@@ -6,40 +6,16 @@ training.mixed_precision_param when it differs from training.dtype), so an evalu
 checkpoint saved at step N reproduces the val_loss the run logged at step N.
 """
 
-import contextlib
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.data_parallel import DTYPES
+from torchtitan.distributed.data_parallel import DTYPES, compute_autocast
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
-
-
-def uses_autocast(cfg: JobConfig, fsdp_enabled: bool = False) -> bool:
-    """The trainer's precision rule, shared by training, evaluation and the planner.
-
-    FSDP's mixed-precision policy casts the parameters to the compute dtype itself, so autocast is
-    only needed without FSDP, and only when the compute dtype (training.mixed_precision_param)
-    differs from the dtype the parameters are stored in (training.dtype).
-    """
-    compute_dtype = DTYPES[cfg.training.mixed_precision_param]
-    return not fsdp_enabled and compute_dtype != DTYPES[cfg.training.dtype]
-
-
-def compute_autocast(
-    cfg: JobConfig, device: torch.device, fsdp_enabled: bool = False
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the context the trainer computes in: autocast to the compute dtype when
-    ``uses_autocast`` says so, else a no-op context."""
-    if not uses_autocast(cfg, fsdp_enabled):
-        return contextlib.nullcontext
-    compute_dtype = DTYPES[cfg.training.mixed_precision_param]
-    return lambda: torch.autocast(device.type, dtype=compute_dtype)
 
 
 def check_validation_shape(cfg: JobConfig, sources: ConfigSources) -> None:
@@ -82,5 +58,5 @@ def evaluate(
     # Validator checks nothing about `enable`; it reads the split the [validation] section names.
     validation = dataclasses.replace(cfg.validation, enable=True)
     validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=spec.build_loss_fn(),
-                          device=device, autocast=compute_autocast(cfg, device))
+                          device=device, autocast=compute_autocast(cfg.training, device))
     return validator.validate([model], step=0)

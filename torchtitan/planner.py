@@ -22,7 +22,7 @@ from torch import nn
 
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
-from torchtitan.evaluation import uses_autocast
+from torchtitan.distributed.data_parallel import uses_autocast
 from torchtitan.protocols.train_spec import get_train_spec
 
 GIB = 2**30
@@ -157,7 +157,7 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int) -> float:
     """Bytes one transformer block saves for backward, per token (see docs/planning.md)."""
     c = DTYPE_BYTES[cfg.training.mixed_precision_param]
-    autocast = uses_autocast(cfg)
+    autocast = uses_autocast(cfg.training)
     # CPU attention upcasts low-precision q/k/v to fp32 (torchtitan.models.attention); GPUs keep c.
     a = 4 if on_cpu else c
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
@@ -243,7 +243,7 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, ran
     s, c = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.mixed_precision_param]
     fsdp = layout.fsdp > 1
     tp = layout.tp
-    autocast = uses_autocast(cfg, fsdp)
+    autocast = uses_autocast(cfg.training, fsdp)
     # Parameters on this device: blocks split by TP (norm weights are small and counted as split
     # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
     outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output

@@ -4,7 +4,6 @@
     torchrun --nproc_per_node=N -m torchtitan.train --job.config_file ...
 """
 
-import contextlib
 import gc
 import math
 import os
@@ -29,7 +28,7 @@ from torchtitan.data import DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.data_parallel import DTYPES
+from torchtitan.distributed.data_parallel import DTYPES, compute_autocast
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
@@ -102,11 +101,7 @@ class Trainer:
         # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
         # requested precision through autocast.
         compute_dtype = DTYPES[training.mixed_precision_param]
-        use_autocast = not self.parallel_dims.fsdp_enabled and compute_dtype != DTYPES[training.dtype]
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=compute_dtype))
-            if use_autocast else contextlib.nullcontext
-        )
+        self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
         # Data: each data-parallel rank reads its share of one global stream.
         dp_rank, dp_degree = self.parallel_dims.dp_coordinates()
@@ -171,14 +166,14 @@ class Trainer:
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
-        microbatches = [self._shard_for_cp(input_ids, labels) for input_ids, labels in microbatches]
+        microbatches = [self._shard_for_cp(input_ids.to(self.device, non_blocking=True),
+                                           labels.to(self.device, non_blocking=True))
+                        for input_ids, labels in microbatches]
         # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
         local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
         step_loss = torch.zeros((), device=self.device)
         for input_ids, labels in microbatches:
-            input_ids = input_ids.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
             if self.pipeline is not None:
                 step_loss += self._pipeline_forward_backward(input_ids, labels, global_tokens)
                 continue

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.integration.test_distributed import assert_matches, reference  # noqa: F401
-from tests.integration.test_pipeline import (
+from tests.integration.parity import (
+    assert_matches,
     assert_resumes_under_another_layout,
     assert_tiny_matches_single_process,
     train,
@@ -22,7 +22,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_context_parallel_layouts_match_single_process(tmp_path, reference, layout):  # noqa: F811
+def test_context_parallel_layouts_match_single_process(tmp_path, reference, layout):
     nproc, flags = LAYOUTS[layout]
     assert_matches(train(tmp_path, nproc, [*flags, *CP2]), reference)
 

@@ -1,15 +1,10 @@
 """Parallel layouts on CPU/gloo train the same numbers as a single process (fp32, 6 steps, global batch 8)."""
 
-import json
 
 import pytest
 
 from tests.conftest import run_command, run_module
-
-# The debug model at a short sequence keeps these multi-process runs to seconds per step.
-COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "6",
-          "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
-CONFIG = "train_configs/debug_model.toml"
+from tests.integration.parity import COMMON, CONFIG, assert_matches, read_rows
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
@@ -31,28 +26,6 @@ LAYOUTS = {
     "fsdp2_selective_op_ac": (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "op"]),
 }
-
-
-def read_rows(folder):
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Single process, local batch 8."""
-    out = tmp_path_factory.mktemp("single")
-    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
-                        f"--job.dump_folder={out}")
-    assert result.returncode == 0, result.stderr
-    return read_rows(out)
-
-
-def assert_matches(rows, reference):
-    assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 7))
-    for ours, ref in zip(rows, reference):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
-    assert rows[-1]["loss"] < rows[0]["loss"]  # it trains, so the comparison is not between constants
 
 
 @pytest.mark.slow

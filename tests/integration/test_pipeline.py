@@ -1,22 +1,19 @@
 """Pipeline parallelism on CPU/gloo trains the same numbers as a single process (fp32, 6 steps, global batch 8)."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_command, run_module
-from tests.integration.test_distributed import COMMON, CONFIG, assert_matches, read_rows, reference  # noqa: F401
+from tests.integration.parity import (
+    CONFIG,
+    assert_matches,
+    assert_resumes_under_another_layout,
+    assert_tiny_matches_single_process,
+    train,
+)
 from torchtitan.distributed.pipeline_parallel import SCHEDULES
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
-
-
-def train(dump: Path, nproc: int, flags: list[str], config: str = CONFIG, common=COMMON) -> list[dict]:
-    result = run_command(["./run_train.sh", *common, *flags, f"--job.dump_folder={dump}"],
-                         env={"NGPU": str(nproc), "CONFIG_FILE": config})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return read_rows(dump)
 
 
 def one_f_one_b_csv(path: Path, pp: int, microbatches: int) -> Path:
@@ -35,7 +32,7 @@ def one_f_one_b_csv(path: Path, pp: int, microbatches: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_schedule_matches_single_process(tmp_path, reference, schedule):  # noqa: F811
+def test_every_schedule_matches_single_process(tmp_path, reference, schedule):
     rows = train(tmp_path, 2, ["--training.local_batch_size", "8", *PP2,
                                "--parallelism.pipeline_parallel_schedule", schedule])
     assert_matches(rows, reference)
@@ -55,7 +52,7 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-def test_explicit_module_names_per_stage(tmp_path, reference):  # noqa: F811
+def test_explicit_module_names_per_stage(tmp_path, reference):
     """An uneven cut given by name: 5 blocks on the first stage, 1 with the output on the second."""
     toml = tmp_path / "uneven.toml"
     toml.write_text(f'extends = "{Path(CONFIG).resolve()}"\n[parallelism]\nmodule_fqns_per_model_part = '
@@ -67,7 +64,7 @@ def test_explicit_module_names_per_stage(tmp_path, reference):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pipeline_compositions_match_single_process(tmp_path, reference, layout):  # noqa: F811
+def test_pipeline_compositions_match_single_process(tmp_path, reference, layout):
     nproc, flags = LAYOUTS[layout]
     assert_matches(train(tmp_path, nproc, [*flags, *PP2]), reference)
 
@@ -80,43 +77,6 @@ def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(tmp_path):
     custom = train(tmp_path / "csv", 2, [*flags, "--parallelism.pipeline_parallel_schedule_csv", str(csv)])
     assert [r["loss"] for r in custom] == pytest.approx([r["loss"] for r in builtin], rel=1e-6)
     assert [r["grad_norm"] for r in custom] == pytest.approx([r["grad_norm"] for r in builtin], rel=1e-6)
-
-
-def assert_same_steps(rows: list[dict], expected: list[dict]) -> None:
-    assert [r["step"] for r in rows] == [r["step"] for r in expected]
-    for ours, ref in zip(rows, expected):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-4), ours["step"]
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
-
-
-def assert_tiny_matches_single_process(tmp_path: Path, nproc: int, flags: list[str]) -> None:
-    """4 steps of the tiny flavor (fp32, global batch 8) on ``nproc`` processes against one process."""
-    common = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
-              "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
-    config = "train_configs/tiny.toml"
-    single = tmp_path / "single"
-    result = run_module("torchtitan.train", "--job.config_file", config, *common, "--training.local_batch_size", "8",
-                        f"--job.dump_folder={single}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = train(tmp_path / "parallel", nproc, flags, config=config, common=common)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert_same_steps(rows, read_rows(single))
-
-
-def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[str]],
-                                        target: tuple[int, list[str]]) -> None:
-    """Saved at step 3 under ``source`` (nproc, flags), resumed under ``target``: steps 4-6 match the
-    uninterrupted source run."""
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "3", "--training.local_batch_size", "8"]
-    straight = train(tmp_path / "straight", source[0], [*ckpt, *source[1]])
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    result = run_command(["./run_train.sh", *COMMON, *ckpt, *target[1], f"--job.dump_folder={resumed}"],
-                         env={"NGPU": str(target[0]), "CONFIG_FILE": CONFIG})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resumed from step 3" in result.stdout + result.stderr
-    assert_same_steps(read_rows(resumed), straight[3:])
 
 
 @pytest.mark.slow

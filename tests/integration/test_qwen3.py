@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tests.conftest import run_command, run_module
-from tests.integration.test_distributed import assert_matches, read_rows
+from tests.integration.parity import assert_matches, read_rows
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"

@@ -180,7 +180,7 @@ def _worker(rank, world, port, result_file):
         if seq == 24 * world:  # the fallback for gloo builds without reduce-scatter: all-reduce and slice
             def no_reduce_scatter(*args, **kwargs):
                 raise RuntimeError("reduce-scatter unsupported")
-            dist.reduce_scatter_single = dist.reduce_scatter_tensor = no_reduce_scatter
+            dist.reduce_scatter_tensor = no_reduce_scatter
         for method in cpa.METHODS:
             for kv_heads in (4, 2, 1):
                 for use_kernel in (True, False):

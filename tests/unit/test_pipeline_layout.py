@@ -18,8 +18,12 @@ def config(*flags):
 def test_even_split_counts_the_embedding_and_output_as_layers():
     assert split_layers(6, 2, 1, 1) == [["tok_embeddings", "layers.0", "layers.1", "layers.2"],
                                         ["layers.3", "layers.4", "layers.5", "norm", "output"]]
-    stages = split_layers(6, 4, 1, 1)
-    assert [len([n for n in s if n.startswith("layers.")]) for s in stages] == [1, 2, 2, 1]
+    def blocks_per_stage(n_layers, num_stages):
+        return [len([n for n in s if n.startswith("layers.")]) for s in split_layers(n_layers, num_stages, 1, 1)]
+
+    assert blocks_per_stage(6, 4) == [1, 2, 2, 1]
+    assert blocks_per_stage(6, 3) == [2, 3, 1]  # the remainder: one more layer per stage, middle ones first
+    assert blocks_per_stage(13, 5) == [2, 3, 3, 3, 2]
     # Every block appears exactly once, in order.
     blocks = [n for s in split_layers(13, 5, 1, 1) for n in s if n.startswith("layers.")]
     assert blocks == [f"layers.{i}" for i in range(13)]
@@ -36,8 +40,8 @@ def test_placement_single_looped_and_v():
         cfg, _ = config("--parallelism.pipeline_parallel_schedule", v)
         assert stage_placement(cfg.parallelism, 6) == {0: [0, 3], 1: [1, 2]}
     cfg, _ = config("--parallelism.pipeline_parallel_schedule", "LoopedBFS",
-                    "--parallelism.pipeline_parallel_layers_per_stage", "1")
-    assert stage_placement(cfg.parallelism, 6) == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
+                    "--parallelism.pipeline_parallel_layers_per_stage", "2")
+    assert stage_placement(cfg.parallelism, 6) == {0: [0, 2], 1: [1, 3]}
 
 
 def test_csv_placement(tmp_path):
@@ -91,3 +95,40 @@ def test_tied_embeddings_cannot_be_pipelined():
                                 "--parallelism.pipeline_parallel_degree", "2"])
     with pytest.raises(ConfigError, match="ties the embedding and output weights"):
         validate_config(cfg, sources, world_size=2)
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("tok_embeddings,layers.0;layers.5,norm,output", r"exactly once; missing \['layers.1', 'layers.2'"),
+    ("output,layers.0,layers.1,layers.2;layers.3,layers.4,layers.5,norm,tok_embeddings",
+     "tok_embeddings on the first stage and norm, output on the last"),
+    ("tok_embeddings,layers.3,layers.4,layers.5;layers.0,layers.1,layers.2,norm,output", "blocks in order"),
+    ("tok_embeddings,layers.0,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output",
+     r"repeated \['layers.0'\]"),
+])
+def test_explicit_stage_names_must_cut_the_model_in_order(stages, message):
+    cfg, sources = config("--parallelism.module_fqns_per_model_part", stages)
+    assert len(cfg.parallelism.module_fqns_per_model_part) == 2  # ';' separates stages on the command line
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, sources, world_size=2)
+
+
+def test_a_valid_cut_from_the_command_line():
+    cfg, sources = config("--parallelism.module_fqns_per_model_part",
+                          "tok_embeddings,layers.0;layers.1,layers.2,layers.3,layers.4,layers.5,norm,output")
+    assert cfg.parallelism.module_fqns_per_model_part[0] == ["tok_embeddings", "layers.0"]
+    validate_config(cfg, sources, world_size=2)
+
+
+def test_csv_stages_must_be_numbered_0_to_n_minus_1_once_each(tmp_path):
+    gap = tmp_path / "gap.csv"
+    gap.write_text("0F0,0B0\n3F0,3B0\n")
+    with pytest.raises(ConfigError, match=r"each of the stages 0..N-1 to exactly one rank; its rows hold stages "
+                                          r"\[\[0\], \[3\]\]"):
+        validate_config(*config("--parallelism.pipeline_parallel_schedule_csv", str(gap),
+                                "--training.local_batch_size", "1"), world_size=2)
+
+
+def test_interleaved_schedules_need_equal_rounds_of_micro_batches():
+    with pytest.raises(ConfigError, match="gives 5 micro-batches, which schedule Interleaved1F1B cannot split"):
+        validate_config(*config("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                "--training.local_batch_size", "5"), world_size=2)

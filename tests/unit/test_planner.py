@@ -77,7 +77,7 @@ def saved_bytes_per_token(cfg, autocast: bool) -> float:
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
 def test_layer_activation_formula_matches_what_the_forward_saves(precision):
     cfg = config("--model.flavor", "tiny", "--training.seq_len", "64", "--training.mixed_precision_param", precision)
-    autocast = uses_autocast(cfg)
+    autocast = uses_autocast(cfg.training)
     assert autocast == (precision == "bfloat16")
     assert layer_activation_bytes(model_shape(cfg), cfg, on_cpu=True, tp=1) == saved_bytes_per_token(cfg, autocast)
 

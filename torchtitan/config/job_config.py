@@ -136,8 +136,8 @@ class Parallelism:
     pipeline_parallel_layers_per_stage: int | None = option(
         None, "Layers per pipeline stage, counting the embedding and output as layers (sets the stage count)")
     module_fqns_per_model_part: list[list[str]] | None = option(
-        None, "Module names of each pipeline stage, e.g. [['tok_embeddings', 'layers.0'], ['layers.1', 'norm', "
-        "'output']]")
+        None, "Module names of each pipeline stage: [['tok_embeddings', 'layers.0'], ['layers.1', 'norm', 'output']] "
+        "in TOML, 'tok_embeddings,layers.0;layers.1,norm,output' on the command line")
     pipeline_parallel_first_stage_less_layers: int = option(1, "Layers the first stage gives up (embedding)")
     pipeline_parallel_last_stage_less_layers: int = option(1, "Layers the last stage gives up (output)")
     context_parallel_degree: int = option(1, "Context-parallel degree (sequence sharding)")

@@ -72,7 +72,9 @@ def coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         return value
     if origin is list:
         if from_cli:
-            value = [v.strip() for v in value.split(",") if v.strip()]
+            # A list of lists on the command line: ';' between the outer items, ',' inside them.
+            nested = typing.get_origin(typing.get_args(tp)[0]) is list
+            value = [v.strip() for v in value.split(";" if nested else ",") if v.strip()]
         if not isinstance(value, list):
             raise ValueError
         return [coerce(v, typing.get_args(tp)[0], from_cli) for v in value]

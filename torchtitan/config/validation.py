@@ -126,6 +126,10 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
             check_cp_seq_len(c.cfg.training.seq_len, p.context_parallel_degree, tp)
         except ValueError as e:
             c.fail("training.seq_len", f"cannot be split for context parallelism: {e}")
+        if c.cfg.validation.enable:
+            # Context parallelism picks each rank's RoPE positions for the training length once.
+            c.require("validation.seq_len", c.cfg.validation.seq_len == c.cfg.training.seq_len,
+                      f"must equal training.seq_len = {c.cfg.training.seq_len} with context parallelism")
     if tp > 1 and c.cfg.compile.enable and "loss" in c.cfg.compile.components and not p.disable_loss_parallel:
         c.fail("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
                "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
@@ -198,11 +202,16 @@ def _check_pipeline(c: _Checker, spec, args) -> None:
     else:
         c.require("parallelism.pipeline_parallel_schedule_csv", Path(csv_path).is_file(), "does not exist")
         try:
-            rows = len(pipe.csv_stage_ranks(csv_path))
+            placement = pipe.csv_stage_ranks(csv_path)
         except Exception as e:  # a malformed action must still give the one-line error
             c.fail("parallelism.pipeline_parallel_schedule_csv", f"cannot be read: {type(e).__name__}: {e}")
-        c.require("parallelism.pipeline_parallel_schedule_csv", rows == pp,
-                  f"has {rows} rows but there are {pp} pipeline ranks; write one row of actions per rank")
+        c.require("parallelism.pipeline_parallel_schedule_csv", len(placement) == pp,
+                  f"has {len(placement)} rows but there are {pp} pipeline ranks; write one row of actions per rank")
+        stages = sorted(s for ranks in placement.values() for s in ranks)
+        c.require("parallelism.pipeline_parallel_schedule_csv",
+                  stages == list(range(len(stages))) and all(placement.values()),
+                  f"must give every rank at least one stage and each of the stages 0..N-1 to exactly one rank; "
+                  f"its rows hold stages {[placement[r] for r in sorted(placement)]}")
     mbs = p.pipeline_parallel_microbatch_size
     c.require("parallelism.pipeline_parallel_microbatch_size", mbs >= 1 and t.local_batch_size % mbs == 0,
               f"must be >= 1 and divide training.local_batch_size = {t.local_batch_size}")
@@ -231,6 +240,12 @@ def _check_pipeline(c: _Checker, spec, args) -> None:
     c.require("parallelism.pipeline_parallel_microbatch_size", microbatches >= num_stages,
               f"gives {microbatches} micro-batches (training.local_batch_size {t.local_batch_size} / {mbs}), fewer "
               f"than the {num_stages} stages of {schedule}; raise local_batch_size or lower the micro-batch size")
+    if csv_path is None and p.pipeline_parallel_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        # These run the micro-batches in rounds of (about) pp each; the rounds must all be the same size.
+        rounds = max(1, microbatches // pp)
+        c.require("parallelism.pipeline_parallel_microbatch_size", microbatches % rounds == 0,
+                  f"gives {microbatches} micro-batches, which {schedule} cannot split into {rounds} equal rounds "
+                  f"(of about pp = {pp}); use a multiple of {pp} micro-batches")
     try:
         pipe.stage_module_names(p, args.n_layers, num_stages)
     except ValueError as e:
@@ -296,10 +311,6 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    if p.context_parallel_degree > 1 and cfg.validation.enable:
-        # Context parallelism picks each rank's RoPE positions for the training length once.
-        c.require("validation.seq_len", cfg.validation.seq_len == cfg.training.seq_len,
-                  f"must equal training.seq_len = {cfg.training.seq_len} with context parallelism")
     c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint

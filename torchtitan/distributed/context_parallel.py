@@ -307,18 +307,19 @@ class _Ctx:
     def all_gather(self, kv: torch.Tensor) -> torch.Tensor:
         """(2, B, Hkv, L, D) -> (cp, 2, B, Hkv, L, D), rank-major. Collectives concatenate along dim 0."""
         out = kv.new_empty(self.cp * kv.size(0), *kv.shape[1:])
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, kv.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(out, kv.contiguous(), group=self.group)
         return out.view(self.cp, *kv.shape)
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """Sum (cp, 2, B, Hkv, L, D) over the ranks and keep this rank's (2, B, Hkv, L, D)."""
         full = full.flatten(0, 1)
         out = full.new_empty(full.size(0) // self.cp, *full.shape[1:])
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
-            scatter(out, full, group=self.group)
-        except (RuntimeError, NotImplementedError):  # some gloo builds lack reduce-scatter
+            dist.reduce_scatter_tensor(out, full, group=self.group)
+        except (RuntimeError, NotImplementedError):
+            # Some gloo builds lack reduce-scatter; elsewhere a failed collective is a real error.
+            if dist.get_backend(self.group) != "gloo":
+                raise
             dist.all_reduce(full, group=self.group)
             out = full.view(self.cp, *out.shape)[self.rank]
         return out

@@ -91,11 +91,11 @@ def split_layers(n_layers: int, num_stages: int, first_less: int, last_less: int
     """
     total = n_layers + first_less + last_less
     base, extra = divmod(total, num_stages)
-    # Stage sizes in "layers"; the remainder goes to the middle stages, which have no embedding or output.
+    # Stage sizes in "layers"; the remainder adds one layer to each of the first `extra` middle stages
+    # (which hold neither the embedding nor the output), then to the end stages.
     sizes = [base] * num_stages
-    middle = list(range(1, num_stages - 1)) or list(range(num_stages))
-    for i in range(extra):
-        sizes[middle[i % len(middle)]] += 1
+    for index in ([*range(1, num_stages - 1), 0, num_stages - 1][:extra] if num_stages > 1 else []):
+        sizes[index] += 1
     sizes[0] -= first_less
     sizes[-1] -= last_less
     if num_stages == 1:
@@ -116,16 +116,33 @@ def split_layers(n_layers: int, num_stages: int, first_less: int, last_less: int
     return stages
 
 
+def check_module_names(parts: list[list[str]], n_layers: int) -> None:
+    """Raise ValueError unless ``parts`` cut the model in order: every module exactly once, the embedding
+    on the first stage, norm and output on the last, and blocks in increasing order across stages."""
+    key = "parallelism.module_fqns_per_model_part"
+    valid = ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+    named = [name for part in parts for name in part]
+    unknown = sorted(set(named) - set(valid))
+    if unknown:
+        raise ValueError(f"{key} names {unknown}, which are not modules of the model; valid: tok_embeddings, "
+                         f"layers.0 .. layers.{n_layers - 1}, norm, output")
+    missing = [name for name in valid if name not in named]
+    repeated = sorted({name for name in named if named.count(name) > 1})
+    if missing or repeated:
+        raise ValueError(f"{key} must name every module exactly once; missing {missing}, repeated {repeated}")
+    if "tok_embeddings" not in parts[0] or not {"norm", "output"} <= set(parts[-1]):
+        raise ValueError(f"{key} must put tok_embeddings on the first stage and norm, output on the last")
+    if named != valid:
+        raise ValueError(f"{key} must list the blocks in order across the stages (layers.0 first), "
+                         f"as the model runs them")
+
+
 def stage_module_names(p: Parallelism, n_layers: int, num_stages: int) -> list[list[str]]:
     if p.module_fqns_per_model_part:
         if len(p.module_fqns_per_model_part) != num_stages:
             raise ValueError(f"parallelism.module_fqns_per_model_part has {len(p.module_fqns_per_model_part)} "
                              f"parts but the schedule runs {num_stages} stages; give one list per stage")
-        valid = {"tok_embeddings", "norm", "output"} | {f"layers.{i}" for i in range(n_layers)}
-        unknown = sorted({n for part in p.module_fqns_per_model_part for n in part} - valid)
-        if unknown:
-            raise ValueError(f"parallelism.module_fqns_per_model_part names {unknown}, which are not modules of the "
-                             f"model; valid: tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output")
+        check_module_names(p.module_fqns_per_model_part, n_layers)
         return p.module_fqns_per_model_part
     return split_layers(n_layers, num_stages, p.pipeline_parallel_first_stage_less_layers,
                         p.pipeline_parallel_last_stage_less_layers)
@@ -206,6 +223,6 @@ def merged_view(model_parts: list[nn.Module]) -> nn.Module:
                 if not hasattr(view, name):
                     view.add_module(name, nn.ModuleDict())
                 getattr(view, name).update(child)
-            elif child is not None:
+            else:
                 view.add_module(name, child)
     return view
