@@ -238,3 +238,15 @@ def test_config_errors_for_lengths_cp_cannot_split():
                  "--training.seq_len", "34")
     with pytest.raises(ConfigError, match=r"validation.seq_len = 512 must equal training.seq_len = 2048 with context"):
         validate("--parallelism.context_parallel_degree", "4", "--validation.enable", "--validation.seq_len", "512")
+
+
+def test_a_model_without_attention_fn_cannot_use_context_parallelism():
+    from torchtitan.config import ConfigError, load_config
+    from torchtitan.config.validation import import_custom_modules, validate_config
+
+    cfg, sources = load_config(["--job.config_file", "examples/nanogpt/nanogpt.toml",
+                                "--parallelism.context_parallel_degree", "2"])
+    import_custom_modules(cfg, sources)
+    with pytest.raises(ConfigError, match="is not supported by model.name = 'nanogpt': none of its modules has an "
+                                          "attention_fn"):
+        validate_config(cfg, sources, world_size=2)

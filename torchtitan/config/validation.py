@@ -178,6 +178,14 @@ def _check_model(c: _Checker) -> None:
               f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline(c, spec, args)
+    if c.cfg.parallelism.context_parallel_degree > 1:
+        import torch
+
+        with torch.device("meta"):  # free: no memory is allocated
+            model = spec.model_cls(args)
+        c.require("parallelism.context_parallel_degree", any(hasattr(m, "attention_fn") for m in model.modules()),
+                  f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
+                  "(docs/extending.md says what context parallelism needs)")
 
 
 def _check_pipeline(c: _Checker, spec, args) -> None:
