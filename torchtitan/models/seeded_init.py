@@ -5,6 +5,7 @@ then the slice this rank holds is copied in. The values therefore depend on neit
 the order modules are visited in, nor the device.
 """
 
+import math
 import zlib
 from typing import Callable
 
@@ -57,3 +58,21 @@ def normal_(std: float, truncate: bool = True) -> FillFn:
 
 def ones_(t: torch.Tensor, g: torch.Generator) -> None:
     t.fill_(1.0)
+
+
+def decoder_fill(name: str, dim: int, tie_embeddings: bool) -> FillFn:
+    """The init of a Llama-style decoder's parameter by (canonical) name: norms 1, embeddings N(0, 1) (or the
+    output's scale when tied), output N(0, dim^-1/2), residual projections (wo, w2) shrinking with depth,
+    every other weight N(0, 0.02)."""
+    if "norm" in name:
+        return ones_
+    if name.startswith("tok_embeddings"):
+        # A tied table is also the output projection, so it takes the output's scale.
+        return normal_(dim**-0.5) if tie_embeddings else normal_(1.0, truncate=False)
+    if name.startswith("output"):
+        return normal_(dim**-0.5)
+    if name.endswith(("wo.weight", "w2.weight")):
+        # Projections back into the residual stream shrink with depth to keep its variance bounded.
+        layer_id = int(name.split(".")[1])
+        return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
+    return normal_(0.02)

@@ -11,7 +11,7 @@ from torch import nn
 
 from torchtitan.models.attention import causal_attention
 from torchtitan.models.llama3.args import Llama3ModelArgs, RopeScaling
-from torchtitan.models.seeded_init import canonical_name, init_param_, normal_, ones_
+from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -126,19 +126,4 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         for name, param in self.named_parameters():
             name = canonical_name(name)
-            init_param_(param, name, seed, self._fill_for(name))
-
-    def _fill_for(self, name: str):
-        dim = self.args.dim
-        if "norm" in name:
-            return ones_
-        if name.startswith("tok_embeddings"):
-            # A tied table is also the output projection, so it takes the output's scale.
-            return normal_(dim**-0.5) if self.args.tie_embeddings else normal_(1.0, truncate=False)
-        if name.startswith("output"):
-            return normal_(dim**-0.5)
-        if name.endswith(("wo.weight", "w2.weight")):
-            # Projections back into the residual stream shrink with depth to keep its variance bounded.
-            layer_id = int(name.split(".")[1])
-            return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
-        return normal_(0.02)
+            init_param_(param, name, seed, decoder_fill(name, self.args.dim, self.args.tie_embeddings))

@@ -5,15 +5,13 @@ the two halves of each head (channel i with channel i + head_dim/2), the convent
 checkpoints, so Hugging Face weights load without permuting any projection.
 """
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import causal_attention
+from torchtitan.models.llama3.model import FeedForward
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
-from torchtitan.models.seeded_init import canonical_name, init_param_, normal_, ones_
+from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
 
 
 def rope_table(args: Qwen3ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -55,17 +53,6 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
@@ -120,19 +107,4 @@ class Qwen3Model(nn.Module):
         self.tie_weights()
         for name, param in self.named_parameters():
             name = canonical_name(name)
-            init_param_(param, name, seed, self._fill_for(name))
-
-    def _fill_for(self, name: str):
-        dim = self.args.dim
-        if "norm" in name:
-            return ones_
-        if name.startswith("tok_embeddings"):
-            # A tied table is also the output projection, so it takes the output's scale.
-            return normal_(dim**-0.5) if self.args.tie_embeddings else normal_(1.0, truncate=False)
-        if name.startswith("output"):
-            return normal_(dim**-0.5)
-        if name.endswith(("wo.weight", "w2.weight")):
-            # Projections back into the residual stream shrink with depth to keep its variance bounded.
-            layer_id = int(name.split(".")[1])
-            return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
-        return normal_(0.02)
+            init_param_(param, name, seed, decoder_fill(name, self.args.dim, self.args.tie_embeddings))
