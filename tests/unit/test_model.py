@@ -119,3 +119,23 @@ def test_tied_embeddings_share_one_table():
     model = _tiny(0, tie_embeddings=True)
     assert model.output.weight is model.tok_embeddings.weight
     assert count_params(model) == count_params(_tiny(0)) - 257 * 64
+
+
+def test_hf_adapter_permutes_q_and_k_rows_to_halves_and_round_trips():
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    args = llama3_flavors["tiny"].finalize(97, 16)
+    model = Transformer(args)
+    state = {name: torch.randn_like(t) for name, t in model.state_dict().items()}
+    adapter = Llama3StateDictAdapter(args)
+    hf = adapter.to_hf(state)
+    assert len(hf) == len(state) and "model.layers.1.mlp.up_proj.weight" in hf
+    # Our head h keeps channel pairs (2i, 2i+1) adjacent; transformers keeps the halves (i, i + head_dim/2).
+    ours_q, hf_q, d = state["layers.0.attention.wq.weight"], hf["model.layers.0.self_attn.q_proj.weight"], args.head_dim
+    for h in range(args.n_heads):
+        torch.testing.assert_close(hf_q[h * d : h * d + d // 2], ours_q[h * d : (h + 1) * d : 2], rtol=0, atol=0)
+    torch.testing.assert_close(hf["model.layers.0.self_attn.v_proj.weight"], state["layers.0.attention.wv.weight"])
+    back = adapter.from_hf(hf)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    with pytest.raises(KeyError, match="'model.layers.0.self_attn.q_norm.weight' for a Llama model"):
+        adapter.from_hf({"model.layers.0.self_attn.q_norm.weight": torch.ones(2)})

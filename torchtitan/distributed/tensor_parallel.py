@@ -56,6 +56,10 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
             **(extra_block_plan or {}),
         }
         parallelize_module(block, tp_mesh, plan)
+    if hasattr(model, "tie_weights"):
+        # Embedding and output are both sharded on the vocabulary (dim 0), so a tied pair can share
+        # one DTensor again after the plan gave each module its own.
+        model.tie_weights()
 
 
 def loss_parallel_context(enabled: bool):

@@ -4,30 +4,10 @@ Our attention applies RoPE to adjacent channel pairs (2i, 2i+1) of each head; tr
 the two halves of each head (i, i + head_dim/2). The q and k projection rows are permuted to match.
 """
 
-import re
-
 import torch
 
+from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.llama3.args import Llama3ModelArgs
-
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -40,9 +20,9 @@ def _halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, rows // heads // 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-class Llama3StateDictAdapter:
-    def __init__(self, args: Llama3ModelArgs):
-        self.args = args
+class Llama3StateDictAdapter(DecoderStateDictAdapter):
+    family = "Llama"
+    args: Llama3ModelArgs
 
     def _heads_for(self, name: str) -> int | None:
         if name.endswith("attention.wq.weight"):
@@ -51,36 +31,13 @@ class Llama3StateDictAdapter:
             return self.args.kv_heads
         return None
 
-    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, tensor in state.items():
-            if (heads := self._heads_for(name)) is not None:
-                tensor = _pairs_to_halves(tensor, heads)
-            if match := _OURS.match(name):
-                out[f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"] = tensor
-            else:
-                out[_TOP_NAMES[name]] = tensor
-        if self.args.tie_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
+    def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = self._heads_for(name)
+        return tensor if heads is None else _pairs_to_halves(tensor, heads)
 
-    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        layer_names = {hf: ours for ours, hf in _LAYER_NAMES.items()}
-        top_names = {hf: ours for ours, hf in _TOP_NAMES.items()}
-        out = {}
-        for name, tensor in state.items():
-            if match := _HF.match(name):
-                ours = f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
-            elif name in top_names:
-                ours = top_names[name]
-            else:
-                raise KeyError(f"unexpected Hugging Face weight '{name}' for a Llama model")
-            if (heads := self._heads_for(ours)) is not None:
-                tensor = _halves_to_pairs(tensor, heads)
-            out[ours] = tensor
-        if "output.weight" not in out and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]  # tied in the HF file
-        return out
+    def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = self._heads_for(name)
+        return tensor if heads is None else _halves_to_pairs(tensor, heads)
 
     def hf_config(self, tokenizer_bos: int, tokenizer_eos: int, dtype: str) -> dict:
         a = self.args

@@ -26,8 +26,6 @@ def apply_tp(model: Qwen3Model, tp_mesh: DeviceMesh, loss_parallel: bool) -> Non
     qk_norm = {name: SequenceParallel(sequence_dim=_HEADS_DIM, use_local_output=True)
                for name in ("attention.q_norm", "attention.k_norm")}
     apply_decoder_tp(model, tp_mesh, loss_parallel, extra_block_plan=qk_norm)
-    # Both tables are sharded on the vocabulary (dim 0), so a tied pair can share one DTensor again.
-    model.tie_weights()
 
 
 def parallelize_qwen3(model: Qwen3Model, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:

@@ -1,0 +1,129 @@
+"""The decoder-only transformer the model families share; each family supplies its RoPE and options.
+
+embedding → n pre-norm blocks (grouped-query attention, SwiGLU feed-forward) → RMSNorm → output.
+Only the math lives here; parallelism is applied from the outside (each family's parallelize.py).
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.attention import causal_attention
+from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
+
+# (x of shape (batch, seq, heads, head_dim), RoPE table) -> rotated x
+RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE on q and k, optionally RMS-normalised per head first (QK-norm)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, apply_rope: RopeFn,
+                 qk_norm_eps: float | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.apply_rope = apply_rope
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        # The attention kernel; context parallelism swaps in one that attends over a sharded sequence.
+        self.attention_fn = causal_attention
+        if qk_norm_eps is not None:
+            # One RMSNorm weight of size head_dim shared by all heads: it keeps the attention logits
+            # bounded without a per-head parameter (and lets TP ranks hold it whole).
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 rather than n_heads: under tensor parallelism each rank holds a subset of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.apply_rope(q, rope), self.apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.attention_fn(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: Attention, feed_forward: FeedForward):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, norm and output; tok_embeddings, norm and output may be None on pipeline stages.
+
+    ``args`` needs dim, n_layers, norm_eps, vocab_size and tie_embeddings; ``rope_table(args, device)``
+    gives the (max_seq_len, head_dim/2, 2) cos/sin table and ``make_block(layer_id)`` one block.
+    """
+
+    def __init__(self, args, rope_table: Callable, make_block: Callable[[int], TransformerBlock]):
+        super().__init__()
+        if args.vocab_size is None:
+            raise ValueError(f"{type(args).__name__}.vocab_size is None; call args.finalize() before building "
+                             "the model")
+        self.args = args
+        self.rope_table = rope_table
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps parameter names ("layers.7.…") stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Make the output projection share the embedding table, when the flavor ties them.
+
+        Needed again whenever parameters are replaced module by module (to_empty, TP distribution),
+        because those give each module its own tensor.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Initialise from ``seed``; identical on any parallel layout (see seeded_init)."""
+        self.rope = self.rope_table(self.args, buffer_device or self.rope.device)
+        self.tie_weights()
+        for name, param in self.named_parameters():
+            name = canonical_name(name)
+            init_param_(param, name, seed, decoder_fill(name, self.args.dim, self.args.tie_embeddings))
