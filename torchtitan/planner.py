@@ -158,12 +158,16 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     """Bytes one transformer block saves for backward, per token (see docs/planning.md)."""
     c = DTYPE_BYTES[cfg.training.mixed_precision_param]
     autocast = uses_autocast(cfg.training)
-    # CPU attention upcasts low-precision q/k/v to fp32 (torchtitan.models.attention); GPUs keep c.
-    a = 4 if on_cpu else c
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
-    attention = a * (2 * q + 2 * kv) + 4 * h  # q, k, v, output, and fp32 log-sum-exp per head
-    # The output projection gets its own copy of the attention output when it is cast back to c.
-    wo_input = c * q if a != c else 0
+    # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them.
+    if on_cpu and cfg.training.mixed_precision_param == "bfloat16":
+        # CPU bf16 kernel: its (batch, heads, seq, head_dim) output is copied into wo's layout.
+        attention, wo_input = c * (2 * q + 2 * kv) + 4 * h, c * q
+    elif on_cpu and c != 4:
+        # CPU float16: q, k, v upcast to fp32; wo gets the output cast back to c.
+        attention, wo_input = 4 * (2 * q + 2 * kv) + 4 * h, c * q
+    else:
+        attention, wo_input = c * (2 * q + 2 * kv) + 4 * h, 0
     ffn = 4 * c * f  # w1 out, silu out, w3 out, w2 input
     if autocast:
         # fp32 residual: each RMSNorm saves its input, 1/rms, the normalised x (fp32), and every
