@@ -54,7 +54,8 @@ def measure(overrides: list[str], steps: int) -> tuple[float, dict, float, CpuTi
         with tracker:
             trainer.train_step(batches[1])
         snapshot = tracker.get_tracker_snapshot("peak")
-        by_category = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in next(iter(snapshot.values())).items()}
+        peak_entry = next(iter(snapshot.values()))
+        by_category = {str(k.value) if hasattr(k, "value") else str(k): v for k, v in peak_entry.items()}
         # The planner's kernel calibration runs between the timed steps, so that load from other
         # processes slows the calibration and the steps alike.
         vocab = model_shape(cfg).vocab
@@ -92,7 +93,8 @@ def main() -> None:
     header = [
         "# Planner accuracy on CPU",
         "",
-        f"Machine: {cpu_model()} ({usable_cores()} cores), torch {torch.__version__}, Python {platform.python_version()}.",
+        f"Machine: {cpu_model()} ({usable_cores()} cores), torch {torch.__version__}, "
+        f"Python {platform.python_version()}.",
         f"Model: {CONFIG} (debugmodel, bf16 autocast, fused AdamW), one process. Memory: peak of live tensor "
         f"bytes tracked by torch.distributed._tools.mem_tracker.MemTracker over one step after a warm-up step. "
         f"Time: median of {args.steps} steps. Pass: memory within {MEMORY_TOLERANCE:.0%}, time within "

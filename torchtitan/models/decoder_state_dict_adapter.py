@@ -5,6 +5,7 @@ Hugging Face ones, a conversion per tensor.
 """
 
 import re
+from typing import ClassVar
 
 import torch
 
@@ -32,8 +33,8 @@ _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class DecoderStateDictAdapter:
     """Renames every tensor; subclasses set ``family`` and ``extra_layer_names`` and may convert tensors."""
 
-    family = "decoder"
-    extra_layer_names: dict[str, str] = {}
+    family: ClassVar[str] = "decoder"
+    extra_layer_names: ClassVar[dict[str, str]] = {}
 
     def __init__(self, args):
         self.args = args

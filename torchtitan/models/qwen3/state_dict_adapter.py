@@ -3,13 +3,15 @@
 Both sides rotate the two halves of each head in RoPE, so tensors map one to one by name only.
 """
 
+from typing import ClassVar
+
 from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
 
 
 class Qwen3StateDictAdapter(DecoderStateDictAdapter):
     family = "Qwen3"
-    extra_layer_names = {
+    extra_layer_names: ClassVar[dict[str, str]] = {
         "attention.q_norm.weight": "self_attn.q_norm.weight",
         "attention.k_norm.weight": "self_attn.k_norm.weight",
     }
