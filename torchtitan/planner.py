@@ -159,15 +159,12 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     c = DTYPE_BYTES[cfg.training.mixed_precision_param]
     autocast = uses_autocast(cfg.training)
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
-    # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them.
-    if on_cpu and cfg.training.mixed_precision_param == "bfloat16":
-        # CPU bf16 kernel: its (batch, heads, seq, head_dim) output is copied into wo's layout.
-        attention, wo_input = c * (2 * q + 2 * kv) + 4 * h, c * q
-    elif on_cpu and c != 4:
-        # CPU float16: q, k, v upcast to fp32; wo gets the output cast back to c.
-        attention, wo_input = 4 * (2 * q + 2 * kv) + 4 * h, c * q
-    else:
-        attention, wo_input = c * (2 * q + 2 * kv) + 4 * h, 0
+    # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them:
+    # on CPU float16 is upcast to fp32 (a = 4), and in low precision the (batch, heads, seq, head_dim)
+    # output reaches wo as a separate copy (a cast back, or a copy into wo's layout).
+    a = 4 if on_cpu and cfg.training.mixed_precision_param == "float16" else c
+    attention = a * (2 * q + 2 * kv) + 4 * h
+    wo_input = c * q if on_cpu and c != 4 else 0
     ffn = 4 * c * f  # w1 out, silu out, w3 out, w2 input
     if autocast:
         # fp32 residual: each RMSNorm saves its input, 1/rms, the normalised x (fp32), and every

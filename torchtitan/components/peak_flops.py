@@ -54,10 +54,11 @@ def measure_matmul_tflops(dtype: torch.dtype, threads: int, seconds_per_size: fl
     torch.set_num_threads(threads)
     try:
         operands = {n: (torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)) for n in CALIBRATION_SIZES}
+        for a, b in operands.values():
+            a @ b  # warm-up: kernel selection and page faults
         best = 0.0
         for _ in range(rounds):
             for n, (a, b) in operands.items():
-                a @ b  # warm-up: kernel selection and page faults
                 start, count = time.perf_counter(), 0
                 while time.perf_counter() - start < seconds_per_size:
                     a @ b

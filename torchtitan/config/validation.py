@@ -183,7 +183,8 @@ def _check_model(c: _Checker) -> None:
 
         with torch.device("meta"):  # free: no memory is allocated
             model = spec.model_cls(args)
-        c.require("parallelism.context_parallel_degree", any(hasattr(m, "attention_fn") for m in model.modules()),
+        has_attention_fn = any(hasattr(module, "attention_fn") for module in model.modules())
+        c.require("parallelism.context_parallel_degree", has_attention_fn,
                   f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
                   "(docs/extending.md says what context parallelism needs)")
 
