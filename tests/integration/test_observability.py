@@ -67,6 +67,12 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     rows = train(tmp_path, "--metrics.enable_wandb", "--metrics.wandb_project", "titan-tests")
+    # run.finish() only informs wandb's service process; the service closes the run's stream (and flushes the
+    # .wandb file) asynchronously. A training process gets that wait from wandb's atexit teardown; this test
+    # reads the file in the same process, so it waits for the service explicitly.
+    import wandb
+
+    wandb.teardown()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     records = _wandb_records(next(runs[0].glob("run-*.wandb")))
