@@ -166,7 +166,7 @@ def test_cpu_peak_is_measured_once_cached_and_scaled_by_threads(tmp_path, monkey
     finally:
         torch.set_num_threads(threads)
     assert calls == [(torch.bfloat16, 4)]  # measured once on all cores, then read from the cache
-    assert "bfloat16" in (tmp_path / "torchtitan" / "cpu_peak_tflops.json").read_text()
+    assert "bfloat16" in (tmp_path / "cpu_peak_tflops.json").read_text()
 
 
 def test_matmul_calibration_measures_real_throughput():

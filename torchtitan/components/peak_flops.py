@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.cache import cache_dir
 from torchtitan.log import logger
 
 # Dense (no sparsity) peak TFLOP/s from vendors' data sheets, by compute dtype.
@@ -81,8 +82,7 @@ def cpu_model() -> str:
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("TORCHTITAN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return Path(root) / "torchtitan" / "cpu_peak_tflops.json"
+    return cache_dir() / "cpu_peak_tflops.json"
 
 
 def usable_cores() -> int:

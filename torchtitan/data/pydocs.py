@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import warnings
 
+from torchtitan.cache import cache_dir
 from torchtitan.data.errors import DataError
 
 # Bump whenever the document extraction changes, so stale caches are not reused.
@@ -40,11 +41,7 @@ _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "i
 
 
 def _cache_dir() -> pathlib.Path:
-    override = os.environ.get("TORCHTITAN_CACHE_DIR")
-    if override:
-        return pathlib.Path(override) / "pydocs"
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
-    return pathlib.Path(base) / "torchtitan" / "pydocs"
+    return cache_dir() / "pydocs"
 
 
 def _topic_documents() -> list[str]:
