@@ -22,7 +22,8 @@ from torch import nn
 
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.data_parallel import uses_autocast
+from torchtitan.distributed.data_parallel import DTYPES, uses_autocast
+from torchtitan.models import amx_attention
 from torchtitan.protocols.train_spec import get_train_spec
 
 GIB = 2**30
@@ -161,10 +162,13 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
     # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them:
     # on CPU float16 is upcast to fp32 (a = 4), and in low precision the (batch, heads, seq, head_dim)
-    # output reaches wo as a separate copy (a cast back, or a copy into wo's layout).
+    # output reaches wo as a separate copy (a cast back, or a copy into wo's layout), except from the AMX
+    # kernel, which writes it in wo's layout.
     a = 4 if on_cpu and cfg.training.mixed_precision_param == "float16" else c
     attention = a * (2 * q + 2 * kv) + 4 * h
-    wo_input = c * q if on_cpu and c != 4 else 0
+    amx = on_cpu and amx_attention.takes(int(m.q_dim // m.n_heads), cfg.training.seq_len,
+                                         DTYPES[cfg.training.mixed_precision_param])
+    wo_input = c * q if on_cpu and c != 4 and not amx else 0
     ffn = 4 * c * f  # w1 out, silu out, w3 out, w2 input
     if autocast:
         # fp32 residual: each RMSNorm saves its input, 1/rms, the normalised x (fp32), and every

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchtitan.models import amx_attention
 from torchtitan.models.attention import causal_attention
 
 
@@ -27,3 +28,83 @@ def test_cpu_bfloat16_attention_and_its_gradients_match_float64(batch, heads, kv
     for name, got, want in [("out", out, expected)] + [(f"d{n}", a.grad, b.grad) for n, a, b in zip("qkv", ours, ref)]:
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+
+
+needs_amx = pytest.mark.skipif(not amx_attention.available(), reason="this CPU has no AMX (or no C++ compiler)")
+
+
+def _random_qkv(batch, heads, kv_heads, seq, layout, gen):
+    def make(h, scale=1.0):
+        if layout == "bthd":  # the model's layout: a transposed view of (batch, seq, heads, head_dim)
+            return (scale * torch.randn(batch, seq, h, 16, generator=gen)).bfloat16().transpose(1, 2)
+        return (scale * torch.randn(batch, h, seq, 16, generator=gen)).bfloat16()
+    return make(heads, 2), make(kv_heads, 2), make(kv_heads)
+
+
+@needs_amx
+@pytest.mark.parametrize("batch,heads,kv_heads,seq,layout", [(2, 4, 4, 256, "bthd"), (3, 8, 2, 336, "bhtd"),
+                                                              (1, 2, 1, 16, "bthd")])
+def test_amx_attention_and_its_gradients_match_float64(batch, heads, kv_heads, seq, layout):
+    gen = torch.Generator().manual_seed(torch.seed())
+    q, k, v = _random_qkv(batch, heads, kv_heads, seq, layout, gen)
+    assert amx_attention.supports(q, k, v)
+    grad = torch.randn(batch, heads, seq, 16, generator=gen).bfloat16()
+    ours = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = causal_attention(*ours)
+    out.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    group = heads // kv_heads
+    expected = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(group, 1),
+                                              ref[2].repeat_interleave(group, 1), is_causal=True)
+    expected.backward(grad.double())
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in ours)
+    # Relative to the largest magnitude, as above; this kernel rounds P and dS to bfloat16 like the
+    # flash kernels do, and keeps the softmax statistics in float32.
+    for name, got, want in [("out", out, expected)] + [(f"d{n}", a.grad, b.grad) for n, a, b in zip("qkv", ours, ref)]:
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+        assert got.stride(-1) == 1
+
+
+def test_amx_attention_declines_what_it_does_not_compute():
+    q = torch.randn(1, 2, 32, 16).bfloat16()
+    assert not amx_attention.supports(q.float(), q.float(), q.float())  # float32
+    assert not amx_attention.supports(q[:, :, :30], q[:, :, :30], q[:, :, :30])  # seq not a multiple of 16
+    wide = torch.randn(1, 2, 32, 32).bfloat16()
+    assert not amx_attention.supports(wide, wide, wide)  # head_dim 32
+
+
+def test_amx_attention_is_off_without_a_working_compiler_or_when_disabled(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+    amx_attention._library.cache_clear()
+    try:
+        monkeypatch.setenv("TORCHTITAN_AMX_ATTENTION", "0")
+        assert amx_attention._library() is None
+        amx_attention._library.cache_clear()
+        monkeypatch.delenv("TORCHTITAN_AMX_ATTENTION")
+        monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+        assert amx_attention._library() is None
+        if amx_attention._CPU_FLAGS <= amx_attention._cpu_flags():
+            assert "failed to build" in caplog.text
+    finally:
+        amx_attention._library.cache_clear()
+
+
+@needs_amx
+@pytest.mark.slow
+def test_compiled_amx_attention_matches_eager():
+    gen = torch.Generator().manual_seed(torch.seed())
+    q, k, v = _random_qkv(2, 4, 2, 64, "bthd", gen)
+
+    def loss(q, k, v):
+        return (causal_attention(q, k, v).float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)  # fullgraph: the kernel must not break the graph
+    grads = []
+    for fn in (loss, compiled):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        value = fn(*inputs)
+        value.backward()
+        grads.append([value.detach()] + [t.grad for t in inputs])
+    for eager, comp in zip(*grads):
+        torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from torchtitan.models import amx_attention
+
 _aten = torch.ops.aten
 
 
@@ -37,10 +39,13 @@ class _CpuBf16FlashAttention(torch.autograd.Function):
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal scaled-dot-product attention of (batch, heads, seq, head_dim) tensors; k/v may have fewer heads.
 
-    On CPU, bfloat16 inputs take the mixed-precision flash kernel above and float16 ones are computed
-    in float32 (the CPU float16 kernel is slower still); elsewhere the inputs' dtype is used as is.
+    On CPU, bfloat16 inputs with head_dim 16 take the AMX kernel where the machine has one
+    (models/amx_attention.py), other bfloat16 inputs the mixed-precision flash kernel above, and float16
+    ones are computed in float32 (the CPU float16 kernel is slower still); elsewhere the inputs' dtype is used.
     """
     gqa = q.shape[1] != k.shape[1]
+    if amx_attention.supports(q, k, v):
+        return amx_attention.causal_attention(q, k, v)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.dtype == v.dtype == torch.bfloat16:
         return _CpuBf16FlashAttention.apply(q, k, v)  # the kernel maps kv heads to query-head groups itself
     if q.device.type == "cpu" and q.dtype == torch.float16:
