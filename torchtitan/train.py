@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.preemption import PreemptionWatcher
@@ -49,6 +50,8 @@ class Trainer:
 
         # Where we run, and how the ranks are laid out.
         self.device = device_lib.init_distributed(cfg.comm.init_timeout_seconds)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self.rank = device_lib.rank()
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, device_lib.world_size())
         self.parallel_dims.build_mesh(self.device.type)
