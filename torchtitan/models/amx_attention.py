@@ -1,10 +1,10 @@
 """Causal attention for head_dim 16 on CPUs with AMX (Sapphire Rapids and later), as a PyTorch custom op.
 
-PyTorch's CPU flash kernel spends most of a small model's training step in attention when heads are narrow:
-with head_dim 16 its matmuls contract over only 16 values and its backward runs in float32. The kernel in
-amx_attention.cpp keeps both passes in AMX tiles and does the softmax in AVX-512 on transposed scores.
-Measured on this project's CI machine (2 Sapphire Rapids cores, batch 8 x 2048, 16 heads) it runs a layer's
-forward and backward about 3x faster than the fastest PyTorch combination (see benchmarks/).
+With narrow heads PyTorch's CPU flash kernel takes most of a small model's training step: at head_dim 16
+its bfloat16 backward is slower than its float32 one. The kernel in amx_attention.cpp keeps both passes in
+AMX tiles and does the softmax in AVX-512 on transposed scores. On this project's 2-core Sapphire Rapids
+VM (batch 8 x 2048, 16 heads) a layer's forward and backward take 2.6-3.2x less time than PyTorch's
+fastest combination (benchmarks/cpu_attention.py).
 
 It is built on first use with the system C++ compiler (no PyTorch headers, about 2 s) into torchtitan's cache
 folder and loaded with ctypes. Without AMX, a compiler, or with TORCHTITAN_AMX_ATTENTION=0, ``available()``
