@@ -8,18 +8,24 @@ from torchtitan.models.attention import causal_attention
 
 @pytest.mark.parametrize("batch,heads,kv_heads,seq,head_dim", [(2, 4, 4, 300, 16), (2, 8, 2, 257, 64)])
 def test_cpu_bfloat16_attention_and_its_gradients_match_float64(batch, heads, kv_heads, seq, head_dim):
-    # bfloat16 inputs take the mixed kernel (bf16 forward, fp32 backward); compare with float64 SDPA
-    # on the same rounded inputs, GQA included.
+    # Shapes the AMX kernel declines (seq % 16, head_dim 64) take PyTorch's flash kernel, bf16 forward and
+    # fp32 backward; compare with float64 SDPA on the same rounded inputs, GQA included.
     gen = torch.Generator().manual_seed(torch.seed())
     q = (2 * torch.randn(batch, seq, heads, head_dim, generator=gen)).bfloat16().transpose(1, 2)
     k = (2 * torch.randn(batch, seq, kv_heads, head_dim, generator=gen)).bfloat16().transpose(1, 2)
     v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen).bfloat16().transpose(1, 2)
     grad = torch.randn(batch, heads, seq, head_dim, generator=gen).bfloat16()
+    assert not amx_attention.supports(q, k, v)
+    _assert_matches_float64(q, k, v, grad)
+
+
+def _assert_matches_float64(q, k, v, grad):
+    """causal_attention's output and q/k/v gradients against float64 SDPA on the same rounded inputs."""
     ours = [t.detach().requires_grad_() for t in (q, k, v)]
     out = causal_attention(*ours)
     out.backward(grad)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    group = heads // kv_heads
+    group = q.shape[1] // k.shape[1]
     expected = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(group, 1),
                                               ref[2].repeat_interleave(group, 1), is_causal=True)
     expected.backward(grad.double())
@@ -28,6 +34,7 @@ def test_cpu_bfloat16_attention_and_its_gradients_match_float64(batch, heads, kv
     for name, got, want in [("out", out, expected)] + [(f"d{n}", a.grad, b.grad) for n, a, b in zip("qkv", ours, ref)]:
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
+        assert got.stride(-1) == 1
 
 
 needs_amx = pytest.mark.skipif(not amx_attention.available(), reason="this CPU has no AMX (or no C++ compiler)")
@@ -49,21 +56,7 @@ def test_amx_attention_and_its_gradients_match_float64(batch, heads, kv_heads, s
     q, k, v = _random_qkv(batch, heads, kv_heads, seq, layout, gen)
     assert amx_attention.supports(q, k, v)
     grad = torch.randn(batch, heads, seq, 16, generator=gen).bfloat16()
-    ours = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = causal_attention(*ours)
-    out.backward(grad)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    group = heads // kv_heads
-    expected = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(group, 1),
-                                              ref[2].repeat_interleave(group, 1), is_causal=True)
-    expected.backward(grad.double())
-    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in ours)
-    # Relative to the largest magnitude, as above; this kernel rounds P and dS to bfloat16 like the
-    # flash kernels do, and keeps the softmax statistics in float32.
-    for name, got, want in [("out", out, expected)] + [(f"d{n}", a.grad, b.grad) for n, a, b in zip("qkv", ours, ref)]:
-        err = (got.double() - want).abs().max() / want.abs().max()
-        assert err < 1.5e-2, f"{name}: relative error {err:.2e}"
-        assert got.stride(-1) == 1
+    _assert_matches_float64(q, k, v, grad)  # the kernel rounds P and dS to bfloat16, as flash kernels do
 
 
 def test_amx_attention_declines_what_it_does_not_compute():
