@@ -65,18 +65,20 @@ def _library() -> ctypes.CDLL | None:
         logger.info(f"AMX attention kernel not built: no C++ compiler {cxx!r} on PATH; using PyTorch's kernel")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        path = _build(cxx)
+        lib = ctypes.CDLL(str(path))
     except (subprocess.CalledProcessError, OSError) as e:
         detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
         logger.warning(f"AMX attention kernel failed to build with {cxx!r} ({' '.join(detail)}); "
                        "using PyTorch's kernel")
         return None
     if lib.amx_attention_enable() != 0:
-        logger.warning("the kernel refused AMX state to this process (arch_prctl); using PyTorch's kernel")
+        logger.warning("Linux refused this process AMX state (arch_prctl); using PyTorch's attention kernel")
         return None
     ptr, strides, i32, f32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_float
     lib.amx_attention_forward.argtypes = [ptr, strides] * 4 + [ptr, i32, i32, i32, i32, f32, i32]
     lib.amx_attention_backward.argtypes = [ptr, strides] * 5 + [ptr] + [ptr, strides] * 3 + [i32] * 4 + [f32, i32]
+    logger.info(f"bfloat16 attention with head_dim {HEAD_DIM} runs on the AMX kernel ({path})")
     return lib
 
 
