@@ -150,8 +150,8 @@ struct Workspace {
   explicit Workspace(int T)
       : q_dims((T + QUERIES_PER_STEP) * D), do_dims((T + QUERIES_PER_STEP) * D),
         q_tokens((T + QUERIES_PER_STEP) * D), do_tokens((T + QUERIES_PER_STEP) * D),
-        kv_t((T + KEYS_PER_STEP) * D), k_rows(T * D), v_rows(T * D), dq_t((T + QUERIES_PER_STEP) * D), dk(T * D), dv(T * D),
-        lse2(T + QUERIES_PER_STEP), delta(T + QUERIES_PER_STEP) {}
+        kv_t((T + KEYS_PER_STEP) * D), k_rows(T * D), v_rows(T * D), dq_t((T + QUERIES_PER_STEP) * D),
+        dk(T * D), dv(T * D), lse2(T + QUERIES_PER_STEP), delta(T + QUERIES_PER_STEP) {}
 };
 
 // One (batch, head): o and the natural-log lse (T) from q, k, v (T x 16 each, row strides qs, ks, vs, os).
@@ -293,8 +293,10 @@ void backward_head(const bf16* q, long qs, const bf16* k, long ks, const bf16* v
       _tile_stored(1, w.s + 256, 64);
       _tile_stored(2, w.dp, 64);
       _tile_stored(3, w.dp + 256, 64);
-      const __m512 l2a = _mm512_loadu_ps(w.lse2.data() + i0 * BLK), l2b = _mm512_loadu_ps(w.lse2.data() + i0 * BLK + 16);
-      const __m512 dla = _mm512_loadu_ps(w.delta.data() + i0 * BLK), dlb = _mm512_loadu_ps(w.delta.data() + i0 * BLK + 16);
+      const float* lse2 = w.lse2.data() + i0 * BLK;
+      const float* delta = w.delta.data() + i0 * BLK;
+      const __m512 l2a = _mm512_loadu_ps(lse2), l2b = _mm512_loadu_ps(lse2 + 16);
+      const __m512 dla = _mm512_loadu_ps(delta), dlb = _mm512_loadu_ps(delta + 16);
       // dS^T rows r, r+1 as bfloat16 [query tile a | b] -> (row r, row r+1) pairs per query, for each tile.
       const __m512i pairs_a = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
