@@ -69,18 +69,18 @@ def test_amx_attention_declines_what_it_does_not_compute():
 
 def test_amx_attention_is_off_without_a_working_compiler_or_when_disabled(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
-    amx_attention._library.cache_clear()
+    amx_attention._loaded.clear()
     try:
         monkeypatch.setenv("TORCHTITAN_AMX_ATTENTION", "0")
         assert amx_attention._library() is None
-        amx_attention._library.cache_clear()
+        amx_attention._loaded.clear()
         monkeypatch.delenv("TORCHTITAN_AMX_ATTENTION")
         monkeypatch.setenv("CXX", "false")  # a compiler that always fails
         assert amx_attention._library() is None
         if amx_attention._CPU_FLAGS <= amx_attention._cpu_flags():
             assert "failed to build" in caplog.text
     finally:
-        amx_attention._library.cache_clear()
+        amx_attention._loaded.clear()
 
 
 @needs_amx
@@ -101,3 +101,15 @@ def test_compiled_amx_attention_matches_eager():
         grads.append([value.detach()] + [t.grad for t in inputs])
     for eager, comp in zip(*grads):
         torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+def test_amx_attention_reads_odd_strides_and_declines_mismatched_shapes():
+    gen = torch.Generator().manual_seed(torch.seed())
+    # head_dim 16 sliced out of 17: token strides are odd, which the kernel's pair loads cannot read in place.
+    q, k, v = (torch.randn(2, 32, 3, 17, generator=gen).bfloat16()[..., :16].transpose(1, 2) for _ in range(3))
+    assert q.stride(2) % 2 == 1 and amx_attention.supports(q, k, v)
+    torch.testing.assert_close(causal_attention(q, k, v), causal_attention(*(t.contiguous() for t in (q, k, v))),
+                               rtol=0, atol=0)
+    assert not amx_attention.supports(q, k[:1], v[:1])  # a broadcast batch
+    assert not amx_attention.supports(q, k, v[..., :8])  # a narrower v

@@ -343,19 +343,31 @@ void backward_head(const bf16* q, long qs, const bf16* k, long ks, const bf16* v
 }
 
 // Runs fn(unit, workspace) for unit in [0, units) on nthreads threads, each with its own tiles and workspace.
+// Returns false if a thread could not be started or a workspace allocated (nothing may throw across the C ABI).
 template <typename Fn>
-void parallel_for(int units, int nthreads, int T, Fn fn) {
+bool parallel_for(int units, int nthreads, int T, Fn fn) {
   std::atomic<int> next(0);
+  std::atomic<bool> failed(false);
   auto work = [&]() {
-    configure_tiles();
-    Workspace w(T);
-    for (int n; (n = next.fetch_add(1)) < units;) fn(n, w);
+    try {
+      configure_tiles();
+      Workspace w(T);
+      for (int n; (n = next.fetch_add(1)) < units;) fn(n, w);
+    } catch (...) {
+      failed = true;
+      next = units;
+    }
     _tile_release();
   };
   std::vector<std::thread> threads;
-  for (int t = 1; t < nthreads; ++t) threads.emplace_back(work);
-  work();
+  try {
+    for (int t = 1; t < nthreads; ++t) threads.emplace_back(work);
+  } catch (...) {
+    failed = true;
+  }
+  if (!failed) work();
   for (auto& th : threads) th.join();
+  return !failed;
 }
 
 }  // namespace
@@ -367,27 +379,27 @@ int amx_attention_enable() { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
 // q, o: (B, H, T, 16); k, v: (B, Hkv, T, 16); bfloat16 with the given strides; lse: float32 (B, H, T) contiguous.
 // T must be a multiple of 16 and H a multiple of Hkv.
-void amx_attention_forward(const bf16* q, const long* qs, const bf16* k, const long* ks, const bf16* v,
-                           const long* vs, bf16* o, const long* os, float* lse, int B, int H, int Hkv, int T,
-                           float scale, int nthreads) {
+int amx_attention_forward(const bf16* q, const long* qs, const bf16* k, const long* ks, const bf16* v,
+                          const long* vs, bf16* o, const long* os, float* lse, int B, int H, int Hkv, int T,
+                          float scale, int nthreads) {
   const Strides Q{qs[0], qs[1], qs[2]}, K{ks[0], ks[1], ks[2]}, V{vs[0], vs[1], vs[2]}, O{os[0], os[1], os[2]};
-  parallel_for(B * H, nthreads, T, [&](int n, Workspace& w) {
+  return parallel_for(B * H, nthreads, T, [&](int n, Workspace& w) {
     const int b = n / H, h = n % H, g = h / (H / Hkv);
     forward_head(q + b * Q.batch + h * Q.head, Q.token, k + b * K.batch + g * K.head, K.token,
                  v + b * V.batch + g * V.head, V.token, o + b * O.batch + h * O.head, O.token,
                  lse + ((long)b * H + h) * T, T, scale, w);
-  });
+  }) ? 0 : -1;
 }
 
 // Gradients of the forward above from dout (like q); dq like q, dk and dv like k (summed over each group).
-void amx_attention_backward(const bf16* q, const long* qs, const bf16* k, const long* ks, const bf16* v,
-                            const long* vs, const bf16* o, const long* os, const bf16* dout, const long* dos,
-                            const float* lse, bf16* dq, const long* dqs, bf16* dk, const long* dks, bf16* dv,
-                            const long* dvs, int B, int H, int Hkv, int T, float scale, int nthreads) {
+int amx_attention_backward(const bf16* q, const long* qs, const bf16* k, const long* ks, const bf16* v,
+                           const long* vs, const bf16* o, const long* os, const bf16* dout, const long* dos,
+                           const float* lse, bf16* dq, const long* dqs, bf16* dk, const long* dks, bf16* dv,
+                           const long* dvs, int B, int H, int Hkv, int T, float scale, int nthreads) {
   const Strides Q{qs[0], qs[1], qs[2]}, K{ks[0], ks[1], ks[2]}, V{vs[0], vs[1], vs[2]}, O{os[0], os[1], os[2]},
       DO{dos[0], dos[1], dos[2]}, DQ{dqs[0], dqs[1], dqs[2]}, DK{dks[0], dks[1], dks[2]}, DV{dvs[0], dvs[1], dvs[2]};
   const int group = H / Hkv;
-  parallel_for(B * Hkv, nthreads, T, [&](int n, Workspace& w) {
+  return parallel_for(B * Hkv, nthreads, T, [&](int n, Workspace& w) {
     const int b = n / Hkv, g = n % Hkv;
     const bf16* kg = k + b * K.batch + g * K.head;
     const bf16* vg = v + b * V.batch + g * V.head;
@@ -403,6 +415,6 @@ void amx_attention_backward(const bf16* q, const long* qs, const bf16* k, const 
       store_bf16(dkg + t * DK.token, _mm512_mul_ps(_mm512_loadu_ps(w.dk.data() + t * D), _mm512_set1_ps(scale)));
       store_bf16(dvg + t * DV.token, _mm512_loadu_ps(w.dv.data() + t * D));
     }
-  });
+  }) ? 0 : -1;
 }
 }

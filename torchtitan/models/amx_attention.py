@@ -17,7 +17,8 @@ import os
 import platform
 import shutil
 import subprocess
-from functools import cache
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -43,19 +44,35 @@ def _cpu_flags() -> set[str]:
 
 
 def _build(cxx: str) -> Path:
-    """Compile the kernel once per source, flags and compiler; concurrent ranks each write then rename."""
+    """Compile the kernel once per source, flags and compiler; concurrent builders each write then rename."""
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cxx, *_CXXFLAGS]).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"amx_attention-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-        subprocess.run([cxx, *_CXXFLAGS, str(_SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f"{out.stem}.", suffix=".tmp.so")
+        os.close(fd)
+        try:
+            subprocess.run([cxx, *_CXXFLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+                           timeout=300)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return out
 
 
-@cache
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # empty until the first call decides
+
+
 def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def _load() -> ctypes.CDLL | None:
     if os.environ.get("TORCHTITAN_AMX_ATTENTION", "1") == "0":
         return None
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not _CPU_FLAGS <= _cpu_flags():
@@ -67,10 +84,10 @@ def _library() -> ctypes.CDLL | None:
     try:
         path = _build(cxx)
         lib = ctypes.CDLL(str(path))
-    except (subprocess.CalledProcessError, OSError) as e:
-        detail = e.stderr.strip().splitlines()[-1:] if isinstance(e, subprocess.CalledProcessError) else [str(e)]
-        logger.warning(f"AMX attention kernel failed to build with {cxx!r} ({' '.join(detail)}); "
-                       "using PyTorch's kernel")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+        failed = isinstance(e, subprocess.CalledProcessError) and (e.stderr or "").strip()
+        detail = failed.splitlines()[-1] if failed else str(e)
+        logger.warning(f"AMX attention kernel failed to build with {cxx!r} ({detail}); using PyTorch's kernel")
         return None
     if lib.amx_attention_enable() != 0:
         logger.warning("Linux refused this process AMX state (arch_prctl); using PyTorch's attention kernel")
@@ -78,6 +95,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, strides, i32, f32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_float
     lib.amx_attention_forward.argtypes = [ptr, strides] * 4 + [ptr, i32, i32, i32, i32, f32, i32]
     lib.amx_attention_backward.argtypes = [ptr, strides] * 5 + [ptr] + [ptr, strides] * 3 + [i32] * 4 + [f32, i32]
+    lib.amx_attention_forward.restype = lib.amx_attention_backward.restype = i32
     logger.info(f"bfloat16 attention with head_dim {HEAD_DIM} runs on the AMX kernel ({path})")
     return lib
 
@@ -95,16 +113,25 @@ def takes(head_dim: int, seq_len: int, dtype: torch.dtype) -> bool:
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``causal_attention`` takes these (batch, heads, seq, head_dim) inputs on this machine."""
     return (
-        q.device.type == "cpu"
+        q.device.type == k.device.type == v.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype
-        and q.shape[2] == k.shape[2] == v.shape[2]
+        and q.dim() == 4
+        and k.shape == v.shape
+        and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]
         and q.shape[1] % k.shape[1] == 0
         and takes(q.shape[-1], q.shape[2], q.dtype)
     )
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the kernel can read it through its strides (unit head_dim stride, even token strides)."""
+    ok = t.stride(-1) == 1 and all(s % 2 == 0 and s < 2**27 for s in t.stride()[:3])
+    return t if ok else t.contiguous()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the AMX attention kernel could not start its threads or allocate its buffers")
 
 
 def _args(t: torch.Tensor):
@@ -113,11 +140,11 @@ def _args(t: torch.Tensor):
 
 @torch.library.custom_op("torchtitan::amx_causal_attention", mutates_args=(), device_types="cpu")
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (_unit_stride(t) for t in (q, k, v))
+    q, k, v = (_kernel_layout(t) for t in (q, k, v))
     out, lse = _forward_fake(q, k, v)
     (b, h, t, d), hkv = q.shape, k.shape[1]
-    _library().amx_attention_forward(*_args(q), *_args(k), *_args(v), *_args(out), lse.data_ptr(),
-                                     b, h, hkv, t, d ** -0.5, torch.get_num_threads())
+    _check(_library().amx_attention_forward(*_args(q), *_args(k), *_args(v), *_args(out), lse.data_ptr(),
+                                            b, h, hkv, t, d ** -0.5, torch.get_num_threads()))
     return out, lse
 
 
@@ -131,18 +158,18 @@ def _forward_fake(q, k, v):
 @torch.library.custom_op("torchtitan::amx_causal_attention_backward", mutates_args=(), device_types="cpu")
 def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad, q, k, v, out = (_unit_stride(t) for t in (grad, q, k, v, out))
+    grad, q, k, v, out = (_kernel_layout(t) for t in (grad, q, k, v, out))
     dq, dk, dv = _backward_fake(grad, q, k, v, out, lse)
     (b, h, t, d), hkv = q.shape, k.shape[1]
-    _library().amx_attention_backward(*_args(q), *_args(k), *_args(v), *_args(out), *_args(grad), lse.data_ptr(),
-                                      *_args(dq), *_args(dk), *_args(dv), b, h, hkv, t, d ** -0.5,
-                                      torch.get_num_threads())
+    _check(_library().amx_attention_backward(*_args(q), *_args(k), *_args(v), *_args(out), *_args(grad),
+                                             lse.data_ptr(), *_args(dq), *_args(dk), *_args(dv), b, h, hkv, t,
+                                             d ** -0.5, torch.get_num_threads()))
     return dq, dk, dv
 
 
 @_backward.register_fake
 def _backward_fake(grad, q, k, v, out, lse):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty_like(_kernel_layout(t)) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
