@@ -241,22 +241,19 @@ void forward_head(const bf16* q, long qs, const bf16* k, long ks, const bf16* v,
   }
 }
 
-// One (batch, query head): dq (bfloat16), and adds this head's float32 dK/scale and dV into w.dk and w.dv.
-void backward_head(const bf16* q, long qs, const bf16* k, long ks, const bf16* v, long vs, const bf16* o, long os,
-                   const bf16* dout, long dos, const float* lse, bf16* dq, long dqs, int T, float scale,
-                   Workspace& w) {
+// One (batch, query head) against its group's K, V, K^T already packed in w: dq (bfloat16), and adds this
+// head's float32 dK/scale and dV into w.dk and w.dv.
+void backward_head(const bf16* q, long qs, const bf16* o, long os, const bf16* dout, long dos, const float* lse,
+                   bf16* dq, long dqs, int T, float scale, Workspace& w) {
   const int nb = T / BLK, cols = T + QUERIES_PER_STEP;
   const __m512 c = _mm512_set1_ps(scale * LOG2E);
   pack_dim_pairs(q, qs, w.q_dims.data(), T, cols / BLK);
   pack_dim_pairs(dout, dos, w.do_dims.data(), T, cols / BLK);
   pack_token_pairs(q, qs, w.q_tokens.data(), T, cols / 2);
   pack_token_pairs(dout, dos, w.do_tokens.data(), T, cols / 2);
-  transpose_into(k, ks, w.kv_t.data(), T, T);
-  copy_rows(k, ks, w.k_rows.data(), T);
-  copy_rows(v, vs, w.v_rows.data(), T);
-  k = w.k_rows.data();
-  v = w.v_rows.data();
-  ks = vs = D;
+  const bf16* k = w.k_rows.data();  // the group's K, V and K^T, packed once by the caller
+  const bf16* v = w.v_rows.data();
+  const long ks = D, vs = D;
   float* dq_t = w.dq_t.data();  // dQ^T (16 x cols)
   memset(dq_t, 0, sizeof(float) * cols * D);
   for (int t = 0; t < cols; ++t) {
@@ -402,12 +399,15 @@ int amx_attention_backward(const bf16* q, const long* qs, const bf16* k, const l
   return parallel_for(B * Hkv, nthreads, T, [&](int n, Workspace& w) {
     const int b = n / Hkv, g = n % Hkv;
     const bf16* kg = k + b * K.batch + g * K.head;
-    const bf16* vg = v + b * V.batch + g * V.head;
+    // K, V (dense, for whole-line tile loads) and K^T serve every query head of the group.
+    transpose_into(kg, K.token, w.kv_t.data(), T, T);
+    copy_rows(kg, K.token, w.k_rows.data(), T);
+    copy_rows(v + b * V.batch + g * V.head, V.token, w.v_rows.data(), T);
     memset(w.dk.data(), 0, sizeof(float) * T * D);
     memset(w.dv.data(), 0, sizeof(float) * T * D);
     for (int h = g * group; h < (g + 1) * group; ++h)
-      backward_head(q + b * Q.batch + h * Q.head, Q.token, kg, K.token, vg, V.token, o + b * O.batch + h * O.head,
-                    O.token, dout + b * DO.batch + h * DO.head, DO.token, lse + ((long)b * H + h) * T,
+      backward_head(q + b * Q.batch + h * Q.head, Q.token, o + b * O.batch + h * O.head, O.token,
+                    dout + b * DO.batch + h * DO.head, DO.token, lse + ((long)b * H + h) * T,
                     dq + b * DQ.batch + h * DQ.head, DQ.token, T, scale, w);
     bf16* dkg = dk + b * DK.batch + g * DK.head;
     bf16* dvg = dv + b * DV.batch + g * DV.head;
