@@ -70,15 +70,20 @@ def measure_matmul_tflops(dtype: torch.dtype, threads: int, seconds_per_size: fl
         torch.set_num_threads(previous)
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name, as the OS reports it."""
+def cpuinfo_field(name: str) -> str | None:
+    """The first ``name`` line of Linux's /proc/cpuinfo (e.g. "model name", "flags"); None elsewhere."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, as the OS reports it."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def _cache_file() -> Path:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.cache import cache_dir
+from torchtitan.components.peak_flops import cpuinfo_field
 from torchtitan.log import logger
 
 HEAD_DIM = 16
@@ -34,13 +35,7 @@ _CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def _build(cxx: str) -> Path:
