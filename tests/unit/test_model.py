@@ -115,6 +115,22 @@ def test_rope_is_a_rotation_that_preserves_norms_and_relative_positions():
     torch.testing.assert_close(r[0] @ r[1], r[10] @ r[11], rtol=1e-5, atol=1e-5)
 
 
+def test_rope_and_its_hand_written_gradient_match_complex_multiplication_in_float64():
+    model = _tiny(0)
+    x = torch.randn(2, 32, 4, 16, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 32, 4, 16, dtype=torch.float64)
+    angles = torch.view_as_complex(model.rope[:32, None].double().contiguous())
+
+    def reference(t):
+        return torch.view_as_real(torch.view_as_complex(t.unflatten(-1, (-1, 2))) * angles).flatten(-2)
+
+    (expected,) = torch.autograd.grad(reference(x), x, grad)
+    (got,) = torch.autograd.grad(apply_rope(x, model.rope.double()), x, grad)
+    torch.testing.assert_close(apply_rope(x, model.rope.double()), reference(x))
+    torch.testing.assert_close(got, expected)
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, model.rope.double()), x[:1, :4, :2])
+
+
 def test_tied_embeddings_share_one_table():
     model = _tiny(0, tie_embeddings=True)
     assert model.output.weight is model.tok_embeddings.weight

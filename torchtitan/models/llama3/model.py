@@ -36,13 +36,33 @@ def rope_table(args: Llama3ModelArgs, device: torch.device | None = None) -> tor
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+class _RotatePairs(torch.autograd.Function):
+    """The gradient of a rotation is the inverse rotation. Stating that directly lets inductor
+    fuse the backward like the forward; differentiating the stack instead costs twice the time
+    (compiled on CPU, bf16 8x2048x16x16: 4.4 vs 10 ms per call)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate_pairs(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate_pairs(grad, cos, -sin), None, None
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim)."""
+    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    return _RotatePairs.apply(x, cos, sin)
 
 
 class Transformer(Decoder):
