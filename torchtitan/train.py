@@ -29,7 +29,7 @@ from torchtitan.data import DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.data_parallel import DTYPES, compute_autocast
+from torchtitan.distributed.data_parallel import DTYPES, compute_autocast, set_gradient_sync
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
@@ -176,10 +176,12 @@ class Trainer:
         local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
         step_loss = torch.zeros((), device=self.device)
-        for input_ids, labels in microbatches:
+        for index, (input_ids, labels) in enumerate(microbatches):
             if self.pipeline is not None:
+                # The pipeline stage syncs its gradients itself at the end of every schedule step.
                 step_loss += self._pipeline_forward_backward(input_ids, labels, global_tokens)
                 continue
+            set_gradient_sync(self.model_parts, last_microbatch=index == len(microbatches) - 1)
             with self.autocast():
                 logits = self.model_parts[0](input_ids)
             with loss_parallel_context(self.loss_parallel):
@@ -283,11 +285,7 @@ class Trainer:
 
     def _check_and_log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-            raise TrainingError(
-                f"non-finite loss {loss_value} (grad_norm {norm_value}) at step {step}; "
-                f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
-            )
+        check_finite(step, loss_value, norm_value)
         if self.metrics.should_log(step, self.cfg.training.steps):
             self.metrics.log(step, loss_value, norm_value, lr)
         if self.validator is not None and self.validator.should_validate(step):
@@ -297,6 +295,16 @@ class Trainer:
         self.preemption.close()
         self.checkpointer.close()
         self.metrics.close()
+
+
+def check_finite(step: int, loss: float, grad_norm: float) -> None:
+    """Raise TrainingError naming which of the loss and the gradient norm is not finite."""
+    bad = [name for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(value)]
+    if bad:
+        raise TrainingError(
+            f"non-finite {' and '.join(bad)} at step {step} (loss {loss}, grad_norm {grad_norm}); "
+            f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
+        )
 
 
 def save_resolved_config(cfg: JobConfig) -> None:

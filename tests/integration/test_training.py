@@ -84,5 +84,14 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
         return loss * float("nan") if calls["n"] == 3 else loss
 
     trainer.loss_fn = poisoned
-    with pytest.raises(TrainingError, match="at step 3"):
+    with pytest.raises(TrainingError, match=r"non-finite loss and grad_norm at step 3 \(loss nan"):
         trainer.train()
+
+
+def test_infinite_gradient_with_a_finite_loss_is_named_as_the_grad_norm(tmp_path):
+    trainer = make_trainer(tmp_path, "--training.steps", "5")
+    weight = trainer.model_parts[0].output.weight
+    weight.register_hook(lambda grad: grad * float("inf") if trainer.step == 2 else grad)  # during step 3
+    with pytest.raises(TrainingError, match=r"non-finite grad_norm at step 3 \(loss \d+\.\d+, grad_norm inf\)"):
+        trainer.train()
+    assert trainer.step == 3  # stopped there

@@ -4,9 +4,8 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate import replicate
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -69,24 +68,38 @@ def apply_fsdp(
         # The last unit is needed again right away in backward, so keep it gathered.
         fully_shard(final, reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    _sum_gradients_on_every_unit(model)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Replicate the model over ``mesh`` with FSDP2's ``replicate``: one gradient all-reduce per block,
+    overlapping backward, controlled like FSDP's (pipeline stages and gradient accumulation defer it the
+    same way; see ``set_gradient_sync``). Gradients are summed for the same reason as in FSDP."""
+    for block in model.layers.values():
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+    _sum_gradients_on_every_unit(model)
+    return model
+
+
+def _sum_gradients_on_every_unit(model: nn.Module) -> None:
     # The loss is already divided by the global token count, so ranks' gradients must be summed, not
     # averaged. Forcing a plain sum also avoids ReduceOp.PREMUL_SUM, which gloo does not have.
-    # Both settings are per FSDP unit, so set them on every unit, not only the root.
+    # Both settings are per unit, so set them on every unit, not only the root.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return model
 
 
-def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+def set_gradient_sync(model_parts: list[nn.Module], last_microbatch: bool) -> None:
+    """All-reduce gradients across replicas (DDP, HSDP) only in the step's last micro-batch's backward.
 
-
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Replicate the model over ``mesh``; gradients are summed for the same reason as in FSDP."""
-    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
-    # DDP's built-in hook averages; ours sums.
-    model.register_comm_hook(mesh.get_group(), _sum_allreduce_hook)
-    return model
+    Before it, FSDP2 keeps summing the micro-batches' (reduce-scattered) gradients locally and the last
+    all-reduce carries them all, so a step costs one replica all-reduce whatever the accumulation. FSDP's
+    reduce-scatter still runs per micro-batch, which keeps gradients sharded between micro-batches.
+    """
+    for part in model_parts:
+        if isinstance(part, FSDPModule):
+            part.set_requires_all_reduce(last_microbatch, recurse=True)
