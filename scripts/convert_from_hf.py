@@ -14,7 +14,8 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointError, ModelState
 from torchtitan.config import ConfigError, load_config
-from torchtitan.inference import build_model, is_hf_folder, load_hf_weights
+from torchtitan.hf_checkpoint import is_hf_folder
+from torchtitan.inference import build_model, load_hf_weights
 
 
 def main() -> int:

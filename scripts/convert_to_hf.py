@@ -7,20 +7,13 @@ transformers' AutoModelForCausalLM / LlamaForCausalLM.from_pretrained and AutoTo
 """
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.checkpoint import EXPORT_DTYPES, CheckpointError
 from torchtitan.config import ConfigError, load_config
+from torchtitan.hf_checkpoint import write_hf_folder
 from torchtitan.inference import build_model, load_dcp_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def main() -> int:
@@ -28,7 +21,8 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
-    parser.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the config's checkpoint.export_dtype)")
+    parser.add_argument("--dtype", choices=EXPORT_DTYPES,
+                        help="weights dtype (default: the config's checkpoint.export_dtype)")
     args = parser.parse_args()
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
@@ -41,21 +35,10 @@ def main() -> int:
         print(f"error: model '{cfg.model.name}' has no Hugging Face state-dict adapter", file=sys.stderr)
         return 2
     dtype_name = args.dtype or cfg.checkpoint.export_dtype
-    adapter = spec.state_dict_adapter(model.args)
-    state = adapter.to_hf({k: v.detach().to(DTYPES[dtype_name]).contiguous() for k, v in model.state_dict().items()})
-
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
-    args.output.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(args.output / "model.safetensors"), metadata={"format": "pt"})
-    config = adapter.hf_config(tokenizer.bos_id, tokenizer.eos_id, dtype_name)
-    (args.output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    (args.output / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        source = Path(cfg.model.hf_assets_path) / name
-        if source.is_file():
-            shutil.copy(source, args.output / name)
-    print(f"wrote {len(state)} tensors ({dtype_name}) and config to {args.output}")
+    count = write_hf_folder(args.output, model.state_dict(), spec.state_dict_adapter(model.args), tokenizer,
+                            cfg.model.hf_assets_path, dtype_name)
+    print(f"wrote {count} tensors ({dtype_name}) and config to {args.output}")
     return 0
 
 

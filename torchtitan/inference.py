@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
 
 from torchtitan.components.checkpoint import CheckpointError, ModelState, verify_checkpoint_files
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
+from torchtitan.hf_checkpoint import is_hf_folder, read_safetensors
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 
@@ -30,19 +30,6 @@ def build_model(cfg: JobConfig, device: torch.device | str = "cpu") -> tuple[nn.
     model.to_empty(device=device)
     model.init_weights(cfg.debug.seed, buffer_device=torch.device(device))
     return model, spec
-
-
-def is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                state[key] = f.get_tensor(key)
-    return state
 
 
 def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:

@@ -152,8 +152,13 @@ class Trainer:
             cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
             self.dataloader, self.train_state, self.device,
             state_dict_adapter=spec.state_dict_adapter(self.model_args) if spec.state_dict_adapter else None,
+            tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path,
+            pp_mesh=self.parallel_dims.submesh("pp"),
         )
-        self.checkpointer.load()
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.create_seed_checkpoint()  # step-0 from the initial weights; main() then exits
+        else:
+            self.checkpointer.load()
         self.preemption = PreemptionWatcher(self.device)
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
@@ -341,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg)
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:
+            logger.info("checkpoint.create_seed_checkpoint: exiting without training; runs with this job.dump_folder "
+                        "and checkpoint.enable start from step-0 under any layout")
+        else:
+            trainer.train()
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

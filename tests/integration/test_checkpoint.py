@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO, run_command, run_module
 from torchtitan.components.checkpoint import SLOW_SAVE_ENV, complete_steps
 
 # The debug model at seq 256 in fp32: slow enough (~0.3 s/step) to stop a run between checkpoints.
@@ -167,3 +168,77 @@ def test_corrupt_checkpoint_gives_a_one_line_error_naming_the_file(tmp_path):
     assert err == [f"error: checkpoint file {shard} is truncated: 100 bytes, the metadata expects at least "
                    f"{err[0].rsplit(' ', 1)[-1]}"], err
     assert int(err[0].rsplit(" ", 1)[-1]) > 100
+
+
+# Seed checkpoints: the tiny flavor in fp32, one step at global batch 4 under every layout.
+SEED_FLAGS = ["--training.mixed_precision_param", "float32", "--training.steps", "1", "--metrics.log_freq", "1",
+              "--checkpoint.enable", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+TINY = "train_configs/tiny.toml"
+
+
+def first_row(dump: Path) -> dict:
+    rows = (dump / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1, rows
+    return json.loads(rows[0])
+
+
+def start_from_seed(seed_dump: Path, dump: Path) -> None:
+    shutil.copytree(seed_dump / "checkpoint", dump / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """(a dump folder holding only a seed checkpoint written with debug.seed 0, the step-1 row of a plain
+    seed-0 run, the seed run's output)."""
+    seed_dump = tmp_path_factory.mktemp("seed")
+    seed = run_module("torchtitan.train", "--job.config_file", TINY, *SEED_FLAGS, "--debug.seed", "0",
+                      "--checkpoint.create_seed_checkpoint", f"--job.dump_folder={seed_dump}")
+    assert seed.returncode == 0, seed.stderr[-3000:]
+    plain = tmp_path_factory.mktemp("plain_seed0")
+    result = run_module("torchtitan.train", "--job.config_file", TINY, *SEED_FLAGS, "--debug.seed", "0",
+                        f"--job.dump_folder={plain}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return seed_dump, first_row(plain), seed.stdout + seed.stderr
+
+
+def test_seed_checkpoint_holds_the_initial_model_only_and_a_run_starts_from_it(tmp_path, seeded):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    seed_dump, reference, seed_output = seeded
+    folder = seed_dump / "checkpoint"
+    assert complete_steps(folder) == [0] and sorted(p.name for p in folder.iterdir()) == ["step-0"]
+    keys = FileSystemReader(str(folder / "step-0")).read_metadata().state_dict_metadata
+    assert keys and all(k.startswith("model.") for k in keys), sorted(keys)[:5]  # the weights, nothing else
+    metrics = seed_dump / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""  # nothing trained
+    assert "exiting without training" in seed_output
+    # A different debug.seed started from the seed trains exactly the seed-0 numbers; without it, it does not.
+    from_seed, unseeded = tmp_path / "from_seed", tmp_path / "seed7"
+    start_from_seed(seed_dump, from_seed)
+    rows, outputs = {}, {}
+    for dump in (from_seed, unseeded):
+        result = run_module("torchtitan.train", "--job.config_file", TINY, *SEED_FLAGS, "--debug.seed", "7",
+                            f"--job.dump_folder={dump}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[dump], outputs[dump] = first_row(dump), result.stdout + result.stderr
+    assert "resumed from step 0" in outputs[from_seed] and "resumed" not in outputs[unseeded]
+    assert rows[from_seed]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert rows[from_seed]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    assert abs(rows[unseeded]["loss"] - reference["loss"]) > 1e-3 * reference["loss"]
+    assert complete_steps(from_seed / "checkpoint") == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--training.local_batch_size", "2"],
+                                   ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]],
+                         ids=["fsdp2", "tp2"])
+def test_seed_checkpoint_starts_parallel_layouts_from_the_same_weights(tmp_path, seeded, flags):
+    seed_dump, reference, _ = seeded
+    start_from_seed(seed_dump, tmp_path)
+    result = run_command(["./run_train.sh", *SEED_FLAGS, "--debug.seed", "7", *flags, f"--job.dump_folder={tmp_path}"],
+                         env={"NGPU": "2", "CONFIG_FILE": TINY})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumed from step 0" in result.stdout + result.stderr
+    row = first_row(tmp_path)
+    assert row["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert row["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)

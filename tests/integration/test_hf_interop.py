@@ -6,8 +6,10 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import run_module
-from torchtitan.inference import load_model, read_safetensors
+from tests.conftest import run_command, run_module
+from torchtitan.hf_checkpoint import read_safetensors
+from torchtitan.inference import load_model
+from torchtitan.protocols.train_spec import get_train_spec
 
 CONFIG = "train_configs/tiny.toml"  # grouped-query attention: exercises the k-projection permutation too
 
@@ -75,3 +77,61 @@ def test_convert_from_hf_gives_back_the_same_tensors_and_trains_from_hf(trained,
     assert first_losses[0] == pytest.approx(first_losses[1], rel=1e-6)
     hf_tensors = read_safetensors(hf)
     assert "model.layers.0.self_attn.k_proj.weight" in hf_tensors and "lm_head.weight" in hf_tensors
+
+
+
+# checkpoint.last_save_in_hf: the last step's model-only export is itself a Hugging Face folder.
+EXPORT_FLAGS = ["--training.steps", "1", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                "--training.mixed_precision_param", "float32", "--comm.init_timeout_seconds", "600",
+                "--comm.train_timeout_seconds", "600"]
+QWEN3 = ("train_configs/qwen3_debug.toml", ["--training.seq_len", "128", "--training.local_batch_size", "2"])
+
+
+def load_export_and_checkpoint(config: str, dump, overrides=()):
+    """(export-step-1, the model loaded from it, the model loaded from the DCP step-1); checks that the
+    export is a Hugging Face folder holding every weight of step-1, bit for bit."""
+    export, step = dump / "checkpoint" / "export-step-1", dump / "checkpoint" / "step-1"
+    names = {p.name for p in export.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names, names
+    assert ".metadata" not in names  # not DCP
+    from_export = load_model(config, str(export), overrides=overrides)  # refuses missing or unexpected weights
+    from_dcp = load_model(config, str(step), overrides=overrides)
+    ours, expected = from_export.state_dict(), from_dcp.state_dict()
+    assert ours.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(ours[name], expected[name]), name
+    return export, from_export, from_dcp
+
+
+@pytest.mark.parametrize("config, flags", [(CONFIG, []), QWEN3], ids=["llama3_tiny", "qwen3_debug"])
+def test_last_save_in_hf_exports_a_folder_transformers_loads_with_our_logits(tmp_path, config, flags):
+    result = run_module("torchtitan.train", "--job.config_file", config, *EXPORT_FLAGS, *flags,
+                        f"--job.dump_folder={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exported the model as a Hugging Face folder" in result.stdout + result.stderr
+    export, from_export, from_dcp = load_export_and_checkpoint(config, tmp_path, flags)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(export), torch_dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    vocab = json.loads((export / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        assert (from_export(tokens) - expected).abs().max().item() <= 1e-4
+        assert (from_dcp(tokens) - expected).abs().max().item() <= 1e-4
+    # Trained weights, not the initialisation.
+    fresh = load_model(config, overrides=flags)
+    assert not torch.equal(fresh.layers["0"].attention.wq.weight, from_export.layers["0"].attention.wq.weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--training.local_batch_size", "2"],
+                                   ["--parallelism.pipeline_parallel_degree", "2"]], ids=["fsdp2", "pp2"])
+def test_last_save_in_hf_gathers_every_weight_from_parallel_layouts(tmp_path, flags):
+    """FSDP shards every weight over both ranks; PP puts the last layers on rank 1: rank 0 writes them all."""
+    result = run_command(["./run_train.sh", *EXPORT_FLAGS, *flags, f"--job.dump_folder={tmp_path}"],
+                         env={"NGPU": "2", "CONFIG_FILE": CONFIG})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    export, from_export, _ = load_export_and_checkpoint(CONFIG, tmp_path)
+    adapter = get_train_spec("llama3").state_dict_adapter(from_export.args)
+    expected_names = set(adapter.to_hf(from_export.state_dict()))
+    assert set(read_safetensors(export)) == expected_names and len(expected_names) == 21

@@ -130,6 +130,38 @@ def test_tp_degree_must_divide_heads():
         validate_config(cfg, sources, world_size=3)
 
 
+def test_seed_checkpoint_and_hf_export_combinations_that_cannot_work_are_refused(monkeypatch):
+    def check(flags, world_size=1):
+        cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", *flags])
+        validate_config(cfg, sources, world_size=world_size)
+
+    seed = ["--checkpoint.create_seed_checkpoint"]
+    check(["--checkpoint.enable", *seed])
+    with pytest.raises(ConfigError, match=r"create_seed_checkpoint = True needs checkpoint.enable = true"):
+        check(seed)
+    with pytest.raises(ConfigError, match=r"create_seed_checkpoint = True must run as a single process "
+                                          r"\(the world size is 2\)"):
+        check(["--checkpoint.enable", *seed, "--parallelism.data_parallel_shard_degree", "2"], world_size=2)
+    with pytest.raises(ConfigError, match=r"create_seed_checkpoint = True writes a checkpoint, but "
+                                          r"checkpoint.load_only = true"):
+        check(["--checkpoint.enable", *seed, "--checkpoint.load_only"])
+
+    hf = ["--checkpoint.last_save_in_hf"]
+    check(["--checkpoint.enable", *hf])
+    with pytest.raises(ConfigError, match=r"last_save_in_hf = True needs checkpoint.enable = true"):
+        check(hf)
+    with pytest.raises(ConfigError, match=r"last_save_in_hf = True needs checkpoint.last_save_model_only = true"):
+        check(["--checkpoint.enable", *hf, "--checkpoint.last_save_model_only=false"])
+    from torchtitan.protocols import train_spec
+
+    no_adapter = dataclasses.replace(train_spec.get_train_spec("llama3"), state_dict_adapter=None)
+    monkeypatch.setitem(train_spec._REGISTRY, "llama3_no_hf", no_adapter)
+    check(["--checkpoint.enable", "--model.name", "llama3_no_hf"])  # fine without the HF export
+    with pytest.raises(ConfigError, match=r"last_save_in_hf = True is not supported by model.name = 'llama3_no_hf': "
+                                          r"its TrainSpec has no state_dict_adapter"):
+        check(["--checkpoint.enable", *hf, "--model.name", "llama3_no_hf"])
+
+
 BAD_FILES = {
     "unknown_section": ("[trainer]\nsteps = 3\n", "unknown key 'trainer.steps'"),
     "unknown_key": ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),

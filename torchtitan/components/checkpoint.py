@@ -3,8 +3,11 @@
 Layout under ``{job.dump_folder}/{checkpoint.folder}``:
 
     step-20/            a complete checkpoint (DCP: one .metadata file plus shard files)
+    step-0/             a seed checkpoint (checkpoint.create_seed_checkpoint): the initial weights only
     step-30.partial/    a checkpoint being written; renamed to step-30/ only once every rank is done
-    export-step-40/     model weights only, in checkpoint.export_dtype (beside step-40/, not instead of it)
+    export-step-40/     model weights only, in checkpoint.export_dtype (beside step-40/, not instead of it):
+                        DCP, or with checkpoint.last_save_in_hf a Hugging Face folder (config.json,
+                        model.safetensors, tokenizer files) that transformers loads
 
 Everything we store ourselves is a tensor (steps, token counts, RNG states, the dataloader's stream
 position), so nothing of ours is pickled. DCP's own .metadata file is a pickle: load checkpoints only
@@ -36,14 +39,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.hf_checkpoint import read_safetensors, write_hf_folder
 from torchtitan.log import logger
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A test-only hook: seconds each background save sleeps before writing, to make a window to kill it in.
 SLOW_SAVE_ENV = "TORCHTITAN_TEST_SLOW_SAVE_SECONDS"
@@ -201,9 +207,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
                  optimizer: torch.optim.Optimizer, lr_scheduler, dataloader, train_state: TrainState,
-                 device: torch.device, state_dict_adapter=None):
+                 device: torch.device, state_dict_adapter=None, tokenizer=None, hf_assets_path: str | None = None,
+                 pp_mesh=None):
+        """``state_dict_adapter``, ``tokenizer`` and ``hf_assets_path`` serve Hugging Face loads and exports;
+        ``pp_mesh`` (None without pipeline parallelism) tells the ranks holding the other stages."""
         self.cfg = cfg
         self.state_dict_adapter = state_dict_adapter
+        self.tokenizer, self.hf_assets_path, self.pp_mesh = tokenizer, hf_assets_path, pp_mesh
         self.folder = Path(dump_folder) / cfg.folder
         self.model_parts = model_parts
         self.states = {
@@ -251,9 +261,11 @@ class CheckpointManager:
         else:
             return None
         path = self.folder / f"step-{step}"
-        keys = [k for k in STATE_KEYS if k not in self.cfg.exclude_from_loading]
+        # A seed checkpoint holds the model only: the optimizer, schedule and data start fresh.
+        seed = step == SEED_STEP
+        keys = [k for k in (["model"] if seed else STATE_KEYS) if k not in self.cfg.exclude_from_loading]
         self._load(path, keys)
-        logger.info(f"resumed from step {step}: {path}")
+        logger.info(f"resumed from step {step}: {path}" + (" (a seed checkpoint: the model only)" if seed else ""))
         return step
 
     def _load_initial(self, path: Path) -> None:
@@ -266,8 +278,6 @@ class CheckpointManager:
 
     def _load_hf(self, path: Path) -> None:
         """Model weights from a Hugging Face folder; every rank reads the files and keeps its shards."""
-        from torchtitan.inference import read_safetensors
-
         if self.state_dict_adapter is None:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({path})")
         state = self.state_dict_adapter.from_hf(read_safetensors(path))
@@ -294,6 +304,25 @@ class CheckpointManager:
             dist.barrier()
 
     # ----- saving -----
+
+    def create_seed_checkpoint(self) -> Path:
+        """Write the model's current (initial) weights as step-0, model only, for later runs to start from.
+
+        A single process writes it (validation makes sure), so every later layout starts from the same
+        weights. Refuses a folder that already holds checkpoints: a seed starts a new run.
+        """
+        existing = complete_steps(self.folder)
+        if existing:
+            raise CheckpointError(f"checkpoint.create_seed_checkpoint: {self.folder} already holds checkpoints "
+                                  f"(steps {existing}); a seed starts a new run, use an empty job.dump_folder")
+        final = self.folder / f"step-{SEED_STEP}"
+        partial = self.folder / f"step-{SEED_STEP}{PARTIAL_SUFFIX}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        dcp.save({"model": self.states["model"]}, checkpoint_id=str(partial), no_dist=self.no_dist)
+        self._finish(SEED_STEP, partial, final)
+        logger.info(f"seed checkpoint written to {final}: the initial model weights, model only")
+        return final
 
     def should_save(self, step: int, last_step: int) -> bool:
         if not self.cfg.enable or self.cfg.load_only:
@@ -365,7 +394,10 @@ class CheckpointManager:
             shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
 
     def export_model(self, step: int) -> Path:
-        """Model weights only, in export_dtype, beside the full checkpoint of the same step."""
+        """Model weights only, in export_dtype, beside the full checkpoint of the same step (DCP, or a
+        Hugging Face folder with last_save_in_hf)."""
+        if self.cfg.last_save_in_hf:
+            return self.export_hf(step)
         dtype = EXPORT_DTYPES[self.cfg.export_dtype]
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.states["model"].state_dict().items()}
         final = self.folder / f"export-step-{step}"
@@ -376,6 +408,56 @@ class CheckpointManager:
             os.replace(partial, final)
         logger.info(f"exported model weights ({self.cfg.export_dtype}) to {final}")
         return final
+
+    def export_hf(self, step: int) -> Path:
+        """The model as a Hugging Face folder ``export-step-N/``, written by rank 0 from the gathered weights."""
+        if self.state_dict_adapter is None or self.tokenizer is None or self.hf_assets_path is None:
+            raise CheckpointError("checkpoint.last_save_in_hf: this model has no Hugging Face adapter or tokenizer")
+        state = self.full_model_state()
+        final = self.folder / f"export-step-{step}"
+        partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            count = write_hf_folder(partial, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
+                                    self.cfg.export_dtype)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            logger.info(f"exported the model as a Hugging Face folder ({count} tensors, {self.cfg.export_dtype}) "
+                        f"to {final}")
+        if dist.is_initialized():
+            dist.barrier(group=self.save_group)  # the folder is complete once any rank returns
+        return final
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Every weight of the model, unsharded, on rank 0's CPU; an empty dict on the other ranks.
+
+        Each DTensor (FSDP, TP) is gathered by its own mesh, one tensor at a time, and kept only by the
+        first rank of its pipeline stage (the ranks of rank 0's pp group). (get_model_state_dict's
+        full_state_dict + cpu_offload keeps the values on global rank 0 only, which drops every stage but
+        rank 0's.) Those ranks then send their stages to rank 0, one after another.
+        """
+        stage_leaders = [0]
+        if self.pp_mesh is not None:
+            pp_ranks = dist.get_process_group_ranks(self.pp_mesh.get_group())
+            stage_leaders = pp_ranks if 0 in pp_ranks else []
+        keep = self.rank in stage_leaders
+        state = {}
+        for part in self.model_parts:
+            for name, tensor in get_model_state_dict(part).items():
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()  # a collective: every rank of the mesh takes part
+                if keep:
+                    state[name] = tensor.detach().cpu()
+        if self.pp_mesh is not None and keep:
+            if self.rank == 0:
+                for src in (r for r in stage_leaders if r != 0):
+                    received = [None]
+                    dist.recv_object_list(received, src=src, group=self.save_group)
+                    state.update(received[0])
+            else:
+                dist.send_object_list([state], dst=0, group=self.save_group)
+                state = {}
+        return state if self.rank == 0 else {}
 
     def close(self) -> None:
         self.wait()

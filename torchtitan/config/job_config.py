@@ -155,8 +155,11 @@ class Checkpoint:
     initial_load_path: str | None = option(None, "Checkpoint to start from when the run has none")
     initial_load_model_only: bool = option(True, "Load only model weights from initial_load_path")
     initial_load_in_hf: bool = option(False, "initial_load_path holds HF safetensors")
-    last_save_model_only: bool = option(True, "Export model weights only at the last step")
-    last_save_in_hf: bool = option(False, "Export the last step in HF safetensors format")
+    last_save_model_only: bool = option(True, "At the last step also export the model weights only, to "
+                                        "export-step-N/ beside step-N/")
+    last_save_in_hf: bool = option(False, "Write that export as a Hugging Face folder (config.json, "
+                                   "model.safetensors, tokenizer files) that transformers loads; needs "
+                                   "last_save_model_only and a model with a state_dict_adapter")
     export_dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "Dtype of model-only exports")
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = option(
         "disabled", "Write checkpoints in the background"
@@ -165,7 +168,9 @@ class Checkpoint:
     load_step: int = option(-1, "Step to load (-1 = latest)")
     exclude_from_loading: list[str] = option([], "State keys not to load, e.g. optimizer,dataloader")
     enable_first_step_checkpoint: bool = option(False, "Save right after step 1")
-    create_seed_checkpoint: bool = option(False, "Write the initial weights and exit")
+    create_seed_checkpoint: bool = option(False, "Write the initial weights as step-0 (model only) and exit "
+                                          "without training; one process only. Later runs with checkpoint.enable "
+                                          "start from it under any layout")
     load_only: bool = option(False, "Load checkpoints but never save")
 
 

@@ -312,9 +312,21 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
             c.require("checkpoint.initial_load_path", any(Path(ck.initial_load_path).glob("*.safetensors")),
                       "holds no *.safetensors files (checkpoint.initial_load_in_hf is set)")
     if ck.create_seed_checkpoint:
-        c.require("checkpoint.create_seed_checkpoint", ck.enable, "needs checkpoint.enable = true")
-        c.require("checkpoint.create_seed_checkpoint", world_size == 1,
-                  f"must run as a single process (the world size is {world_size})")
+        key = "checkpoint.create_seed_checkpoint"
+        c.require(key, ck.enable, "needs checkpoint.enable = true (the seed is written as checkpoint step-0)")
+        c.require(key, world_size == 1, f"must run as a single process (the world size is {world_size}); "
+                  "later runs load the seed under any layout")
+        c.require(key, not ck.load_only, "writes a checkpoint, but checkpoint.load_only = true forbids saving")
+    if ck.last_save_in_hf:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        key = "checkpoint.last_save_in_hf"
+        c.require(key, ck.enable, "needs checkpoint.enable = true")
+        c.require(key, ck.last_save_model_only, "needs checkpoint.last_save_model_only = true (the Hugging Face "
+                  "folder is the last step's model-only export)")
+        c.require(key, get_train_spec(c.cfg.model.name).state_dict_adapter is not None,
+                  f"is not supported by model.name = {c.cfg.model.name!r}: its TrainSpec has no state_dict_adapter "
+                  "(no Hugging Face names)")
 
 
 def _check_unsupported(c: _Checker) -> None:
