@@ -108,7 +108,7 @@ def main() -> None:
             order = [(run_trainer, trainer_tps), (run_minimal, minimal_tps)]
             for fn, out in order if r % 2 == 0 else order[::-1]:
                 out.append(timed(fn, args.steps, tokens))
-            peaks.append(measure_matmul_tflops(dtype, torch.get_num_threads(), seconds_per_size=0.3))
+            peaks.append(measure_matmul_tflops(dtype, torch.get_num_threads(), budget_seconds=3.0))
         trainer.close()
 
     peak = statistics.median(peaks)

@@ -13,7 +13,7 @@ import torch
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.data_parallel import DTYPES, compute_autocast
+from torchtitan.distributed.precision import DTYPES, compute_autocast, set_compute_dtype
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -51,6 +51,7 @@ def evaluate(
     device = torch.device(device)
     cfg, sources = load_config(["--job.config_file", str(config_file), *overrides])
     check_validation_shape(cfg, sources)
+    set_compute_dtype(cfg.training, device.type)
     model = load_model(config_file, checkpoint, device=str(device), overrides=overrides)
     model.to(DTYPES[cfg.training.dtype])  # the dtype the trainer stores (and validates) parameters in
     spec = get_train_spec(cfg.model.name)

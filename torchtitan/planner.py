@@ -22,7 +22,7 @@ from torch import nn
 
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.data_parallel import DTYPES, uses_autocast
+from torchtitan.distributed.precision import DTYPES, resolve_compute_dtype, uses_autocast
 from torchtitan.models import amx_attention
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -110,6 +110,7 @@ class Plan:
     peak_tflops: float
     speed: str  # how the step time was derived (or why it was not)
     step_time_s: float | None  # None when it was not measured
+    compute_dtype: str  # training.mixed_precision_param, "auto" resolved for the device
 
     @property
     def fits(self) -> bool:
@@ -454,6 +455,9 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
     instead), unless ``efficiency`` is given, which applies to the matmul peak.
     """
     device = device.upper() if device.upper() in (*DEVICE_MEMORY_GIB, "CPU") else device
+    # training.mixed_precision_param = "auto" means what the trainer would pick on that device.
+    dtype, _ = resolve_compute_dtype(cfg.training.mixed_precision_param, "cpu" if device == "CPU" else "cuda")
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, mixed_precision_param=dtype))
     capacity, peak = device_capacity_and_peak(device, cfg.training.mixed_precision_param)
     layout = resolve_layout(cfg, world_size)
     m = model_shape(cfg, vocab_size)
@@ -476,7 +480,8 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
         step_time = (matmul + attention) / (peak * 1e12 * efficiency)
         speed = f"at {efficiency:.0%} of peak"
     return Plan(device=device, capacity_gib=capacity, layout=layout, memory=memory, tokens_per_device=tokens,
-                flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time)
+                flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time,
+                compute_dtype=dtype)
 
 
 def format_plan(p: Plan) -> str:
@@ -487,7 +492,7 @@ def format_plan(p: Plan) -> str:
     ]
     lay = p.layout
     lines = [
-        f"device: {p.device} ({p.capacity_gib:.1f} GiB, {p.peak_tflops:.3g} TFLOP/s peak)   "
+        f"device: {p.device} ({p.capacity_gib:.1f} GiB, {p.peak_tflops:.3g} TFLOP/s {p.compute_dtype} peak)   "
         f"layout: world {lay.world_size} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
         f"cp {lay.cp} x tp {lay.tp} x pp {lay.pp}",
         "",

@@ -29,9 +29,10 @@ from torchtitan.data import DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.data_parallel import DTYPES, compute_autocast, set_gradient_sync
+from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.grad_norm import clip_grad_norm_
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.precision import DTYPES, compute_autocast, compute_dtype, set_compute_dtype
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger
 from torchtitan.protocols.model import count_params
@@ -53,6 +54,7 @@ class Trainer:
         if self.device.type == "cpu":
             keep_freed_host_memory()
         self.rank = device_lib.rank()
+        self.compute_dtype_reason = set_compute_dtype(training, self.device.type)
         self.parallel_dims = ParallelDims.from_config(cfg.parallelism, device_lib.world_size())
         self.parallel_dims.build_mesh(self.device.type)
         self._seed(cfg.debug.seed, cfg.debug.deterministic)
@@ -103,7 +105,6 @@ class Trainer:
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, training.steps)
         # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
         # requested precision through autocast.
-        compute_dtype = DTYPES[training.mixed_precision_param]
         self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
         # Data: each data-parallel rank reads its share of one global stream.
@@ -139,11 +140,12 @@ class Trainer:
             )
 
         self.metrics = MetricsLogger(
-            cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype, self.flops_per_token,
+            cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype(training), self.flops_per_token,
             training.steps, run_config=config_to_dict(cfg),
         )
         if self.rank == 0:
-            save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device)
+            save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
+                            compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
         self.data_iterator = None  # created on first use, after any dataloader state is restored
 
         # Checkpoints: resume from the latest one of this run, if any.

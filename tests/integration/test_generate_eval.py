@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import run_module
 
-CONFIG = "train_configs/tiny.toml"  # bf16 autocast compute, like the debug preset
+CONFIG = "train_configs/tiny.toml"  # compute dtype "auto", like the debug preset
 STEPS, VAL_FREQ = 20, 10
 
 

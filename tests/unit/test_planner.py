@@ -23,7 +23,9 @@ from torchtitan.planner import (
 
 
 def config(*overrides):
-    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *overrides])
+    # An explicit compute dtype: the formula pieces below take a config that plan() has resolved "auto" in.
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml",
+                          "--training.mixed_precision_param", "bfloat16", *overrides])
     return cfg
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,11 +35,15 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "MI250X": {"bfloat16": 383.0, "float16": 383.0, "float32": 95.7},
 }
 
-CALIBRATION_SIZES = (1024, 2048, 4096)
+# Square matmul sizes, smallest first: each size's throughput predicts how long the next one takes.
+CALIBRATION_SIZES = (256, 1024, 2048, 4096)
 # Rounds over all sizes: on a shared VM a neighbour can halve the matmul throughput for seconds at a
 # time (seen on a 2-core AMX VM: ~1.0 vs ~2.1 TFLOP/s bf16), and the best round is the device's peak.
 CALIBRATION_ROUNDS = 3
-CALIBRATION_VERSION = 2
+# The whole measurement stays within this many seconds: where a dtype is slow (bf16 without native
+# support: ~0.7 GFLOP/s, one 4096^2 matmul ~3 minutes) the large sizes are skipped, not waited for.
+CALIBRATION_BUDGET_SECONDS = 3.0
+CALIBRATION_VERSION = 3
 
 
 def gpu_peak_tflops(device_name: str, dtype: str) -> float | None:
@@ -48,23 +53,42 @@ def gpu_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def measure_matmul_tflops(dtype: torch.dtype, threads: int, seconds_per_size: float = 0.3,
-                          rounds: int = CALIBRATION_ROUNDS) -> float:
-    """Best square-matmul throughput over a few sizes and rounds, with ``threads`` intra-op threads."""
+def measure_matmul_tflops(dtype: torch.dtype, threads: int, budget_seconds: float = CALIBRATION_BUDGET_SECONDS,
+                          rounds: int = CALIBRATION_ROUNDS, clock: Callable[[], float] = time.perf_counter,
+                          matmul: Callable = torch.matmul) -> float:
+    """Best square-matmul throughput (TFLOP/s) over sizes and rounds, with ``threads`` intra-op threads.
+
+    Never starts a matmul that the throughput measured so far says would end past ``budget_seconds``;
+    the smallest size always runs, so there is a number even on the slowest machine.
+    """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    deadline = clock() + budget_seconds
+    slice_seconds = budget_seconds / (rounds * len(CALIBRATION_SIZES))
+    operands: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    best = rate = 0.0  # FLOP/s: the best so far, and the last size's
+
+    def fits(flops: float) -> bool:
+        return rate > 0 and clock() + flops / rate <= deadline
+
     try:
-        operands = {n: (torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)) for n in CALIBRATION_SIZES}
-        for a, b in operands.values():
-            a @ b  # warm-up: kernel selection and page faults
-        best = 0.0
         for _ in range(rounds):
-            for n, (a, b) in operands.items():
-                start, count = time.perf_counter(), 0
-                while time.perf_counter() - start < seconds_per_size:
-                    a @ b
+            for n in CALIBRATION_SIZES:
+                flops = 2 * n**3
+                if rate > 0 and not fits(flops * (1 if n in operands else 2)):  # a new size runs a warm-up too
+                    break  # larger sizes take longer still
+                if n not in operands:
+                    operands[n] = (torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype))
+                    matmul(*operands[n])  # warm-up: kernel selection and page faults
+                start, count = clock(), 0
+                while True:
+                    matmul(*operands[n])
                     count += 1
-                best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+                    elapsed = clock() - start
+                    rate = flops * count / elapsed if elapsed > 0 else float("inf")
+                    if elapsed >= slice_seconds or not fits(flops):
+                        break
+                best = max(best, rate)
         return best / 1e12
     finally:
         torch.set_num_threads(previous)
@@ -108,6 +132,8 @@ def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cache = json.loads(path.read_text()) if path.exists() else {}
         if key not in cache:
+            logger.info(f"measuring this CPU's {str(dtype).removeprefix('torch.')} matmul peak for MFU "
+                        f"(at most {CALIBRATION_BUDGET_SECONDS:.0f} s, once per machine)")
             cache[key] = measure_matmul_tflops(dtype, cores)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(cache, indent=1))

@@ -33,7 +33,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def collect_provenance(layout: dict, device: torch.device) -> dict:
+def collect_provenance(layout: dict, device: torch.device, compute_dtype: dict | None = None) -> dict:
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     device_info = {"type": device.type, "threads_per_process": torch.get_num_threads()}
@@ -52,11 +52,12 @@ def collect_provenance(layout: dict, device: torch.device) -> dict:
         "packages": {p: v for p in PACKAGES if (v := _version(p)) is not None},
         "layout": layout,
         "device": device_info,
+        "compute_dtype": compute_dtype,
     }
 
 
-def save_provenance(dump_folder: str, layout: dict, device: torch.device) -> Path:
+def save_provenance(dump_folder: str, layout: dict, device: torch.device, compute_dtype: dict | None = None) -> Path:
     path = Path(dump_folder) / "provenance.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(collect_provenance(layout, device), indent=2) + "\n")
+    path.write_text(json.dumps(collect_provenance(layout, device, compute_dtype), indent=2) + "\n")
     return path

@@ -108,8 +108,9 @@ class Training:
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")
     dtype: Literal["float32", "bfloat16"] = option("float32", "Dtype the parameters are stored in")
-    mixed_precision_param: Literal["bfloat16", "float16", "float32"] = option(
-        "bfloat16", "Dtype the forward/backward computes in"
+    mixed_precision_param: Literal["auto", "bfloat16", "float16", "float32"] = option(
+        "auto", "Dtype the forward/backward computes in (auto: bfloat16 on GPUs and on CPUs with AMX or "
+        "AVX-512 BF16, else float32)"
     )
     mixed_precision_reduce: Literal["float32", "bfloat16"] = option("float32", "Dtype gradients are reduced in")
     gc_freq: int = option(50, "Run Python garbage collection every this many steps")

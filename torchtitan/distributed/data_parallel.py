@@ -1,39 +1,11 @@
 """FSDP2 / HSDP and DDP for models built of a stack of blocks under ``model.layers``."""
 
-import contextlib
-from collections.abc import Callable
-
-import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from torchtitan.config.job_config import Training as TrainingConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def uses_autocast(training: TrainingConfig, fsdp_enabled: bool = False) -> bool:
-    """The trainer's precision rule, shared by training, evaluation and the planner.
-
-    FSDP's mixed-precision policy casts the parameters to the compute dtype itself, so autocast is
-    only needed without FSDP, and only when the compute dtype (training.mixed_precision_param)
-    differs from the dtype the parameters are stored in (training.dtype).
-    """
-    compute_dtype = DTYPES[training.mixed_precision_param]
-    return not fsdp_enabled and compute_dtype != DTYPES[training.dtype]
-
-
-def compute_autocast(
-    training: TrainingConfig, device: torch.device, fsdp_enabled: bool = False
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """A factory of the context the trainer computes in: autocast to the compute dtype when
-    ``uses_autocast`` says so, else a no-op context."""
-    if not uses_autocast(training, fsdp_enabled):
-        return contextlib.nullcontext
-    compute_dtype = DTYPES[training.mixed_precision_param]
-    return lambda: torch.autocast(device.type, dtype=compute_dtype)
+from torchtitan.distributed.precision import DTYPES
 
 
 def apply_fsdp(

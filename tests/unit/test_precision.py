@@ -1,0 +1,146 @@
+"""The compute dtype rule (training.mixed_precision_param = "auto") and the bounded CPU peak calibration."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from torchtitan.components import peak_flops
+from torchtitan.config import load_config
+from torchtitan.config.validation import validate_config
+from torchtitan.distributed import precision
+
+
+@pytest.fixture
+def fast_bf16(monkeypatch):
+    """Patch the CPU capability check: ``fast_bf16(True)`` or ``fast_bf16(False)``."""
+    return lambda value: monkeypatch.setattr(precision, "cpu_computes_bf16_fast", lambda: value)
+
+
+@pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_cpu_follows_the_bf16_capability(fast_bf16, fast, expected):
+    fast_bf16(fast)
+    dtype, why = precision.resolve_compute_dtype("auto", "cpu")
+    assert dtype == expected and why.startswith("auto: this CPU")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_is_bf16_on_gpus_and_explicit_values_are_obeyed(fast_bf16, fast):
+    fast_bf16(fast)
+    assert precision.resolve_compute_dtype("auto", "cuda")[0] == "bfloat16"
+    for name in ("float32", "bfloat16", "float16"):
+        assert precision.resolve_compute_dtype(name, "cpu") == (name, "as configured")
+
+
+@pytest.mark.parametrize("flags, expected", [("fpu sse avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                             ("avx2 avx512f amx_bf16 amx_tile", True)])
+def test_capability_comes_from_the_x86_flags(monkeypatch, flags, expected):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(precision, "cpuinfo_field", lambda name: flags if name == "flags" else None)
+    monkeypatch.setattr(precision, "_bf16_matmul_is_faster", lambda: pytest.fail("must not time with x86 flags"))
+    precision.cpu_computes_bf16_fast.cache_clear()
+    try:
+        assert precision.cpu_computes_bf16_fast() is expected
+    finally:
+        precision.cpu_computes_bf16_fast.cache_clear()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+@pytest.mark.parametrize("flags, isa_limit", [(None, None), ("avx2 avx512_bf16", "AVX2")],
+                         ids=["no-x86-flags", "isa-limited-by-onednn"])
+def test_without_usable_x86_flags_a_timing_decides(monkeypatch, faster, flags, isa_limit):
+    monkeypatch.setattr(precision, "cpuinfo_field", lambda name: flags)
+    if isa_limit:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_limit)
+    monkeypatch.setattr(precision, "_bf16_matmul_is_faster", lambda: faster)
+    precision.cpu_computes_bf16_fast.cache_clear()
+    try:
+        assert precision.cpu_computes_bf16_fast() is faster
+    finally:
+        precision.cpu_computes_bf16_fast.cache_clear()
+
+
+def test_the_timing_runs_and_answers():
+    assert precision._bf16_matmul_is_faster(seconds=0.01, n=128) in (True, False)
+
+
+@pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
+def test_trainer_resolves_auto_logs_it_and_records_it_in_provenance(tmp_path, fast_bf16, fast, expected):
+    from torchtitan.train import Trainer
+
+    fast_bf16(fast)
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", f"--job.dump_folder={tmp_path}",
+                                "--training.steps", "1"])
+    validate_config(cfg, sources, world_size=1)
+    assert cfg.training.mixed_precision_param == "auto"  # the default
+    trainer = Trainer(cfg)
+    try:
+        assert cfg.training.mixed_precision_param == expected
+        # Parameters are stored in float32: only a bfloat16 compute dtype needs autocast.
+        assert (trainer.autocast is contextlib.nullcontext) == (expected == "float32")
+        recorded = json.loads((tmp_path / "provenance.json").read_text())["compute_dtype"]
+        assert recorded["dtype"] == expected and recorded["why"].startswith("auto: this CPU")
+    finally:
+        trainer.close()
+
+
+class FakeMachine:
+    """A clock that advances by each fake matmul's duration at ``flops_per_second``."""
+
+    def __init__(self, flops_per_second: float):
+        self.rate, self.now, self.sizes = flops_per_second, 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def matmul(self, a, b):
+        self.sizes.append(a.shape[0])
+        self.now += 2 * a.shape[0] ** 3 / self.rate
+
+
+def test_calibration_on_a_slow_dtype_stays_within_its_budget():
+    """0.73 GFLOP/s (bf16 on an AVX2-only EPYC): one 1024^2 matmul would take 3 s, a 4096^2 one 3 minutes."""
+    machine = FakeMachine(0.73e9)
+    tflops = peak_flops.measure_matmul_tflops(torch.float32, threads=1, budget_seconds=3.0,
+                                              clock=machine.clock, matmul=machine.matmul)
+    assert set(machine.sizes) == {256}  # 1024 would not fit the budget
+    # A warm-up, then 6 timed matmuls of 46 ms fill each of the 3 rounds' 0.25 s slices.
+    assert len(machine.sizes) == 1 + 3 * 6
+    assert machine.now <= 3.0
+    assert tflops == pytest.approx(0.73e-3)
+
+
+def test_calibration_on_a_fast_dtype_measures_every_size_within_its_budget():
+    machine = FakeMachine(2e12)
+    tflops = peak_flops.measure_matmul_tflops(torch.float32, threads=1, budget_seconds=3.0,
+                                              clock=machine.clock, matmul=machine.matmul)
+    assert set(machine.sizes) == {256, 1024, 2048, 4096}
+    assert machine.now <= 3.0
+    assert tflops == pytest.approx(2.0)
+
+
+def test_calibration_says_so_before_it_measures(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+    said = []
+    monkeypatch.setattr(peak_flops.logger, "info", said.append)
+
+    def measure(dtype, threads):
+        assert said and said[0].startswith("measuring this CPU's bfloat16 matmul peak")
+        return 1.0
+
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", measure)
+    assert peak_flops.cpu_machine_peak_tflops(torch.bfloat16) == 1.0
+
+
+@pytest.mark.parametrize("fast, expected", [(True, "bfloat16"), (False, "float32")])
+def test_the_planner_picks_the_trainers_dtype(fast_bf16, fast, expected):
+    from torchtitan.planner import plan
+
+    fast_bf16(fast)
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml"])
+    assert cfg.training.mixed_precision_param == "auto"
+    # A given efficiency skips the CPU timing; the dtype rule is the same either way.
+    assert plan(cfg, "CPU", efficiency=0.5).compute_dtype == expected
+    assert plan(cfg, "H100").compute_dtype == "bfloat16"
+    assert cfg.training.mixed_precision_param == "auto"  # planning leaves the config as it was
