@@ -4,11 +4,19 @@
     python scripts/plan.py --config train_configs/debug_model.toml --device CPU --training.local_batch_size 4
 
 Prints a table of parameters, gradients, optimizer state, activations and transient buffers per
-device, the predicted step time, and whether it fits (exit code 3 when it does not). Trainer flags
-(--section.field value) after the options override the config, as for the trainer. The config is
-checked as the trainer checks it first (exit code 2 with one line naming the problem). On CPU the
-step time is measured by training the model cut to one and two blocks, which is skipped when the
-run does not fit the machine or a block is large (over 200M parameters).
+device, the predicted step time, and whether it fits. Trainer flags (--section.field value) after
+the options override the config, as for the trainer. The config is checked as the trainer checks it
+first. On CPU the step time is measured by training the model cut to one and two blocks, which is
+skipped when the run does not fit the machine or a block is large (over 200M parameters), or when
+--efficiency is given.
+
+Exit codes:
+  0  plan made: the run fits the device's memory
+  3  plan made: the run does not fit (the last line says DOES NOT FIT and by how much)
+  2  the config or command line cannot be planned: one line `error: ...` on stderr naming the
+     field and its value (an unknown flavor, degrees that do not multiply to --world_size, ...)
+  1  the planner itself failed on a config it accepted (a bug): one line `error: ...` on stderr
+Usage errors (no --config, an unknown --device) are argparse's: the usage, one error line, exit 2.
 """
 
 import argparse
@@ -22,6 +30,7 @@ from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, plan
 from torchtitan.protocols.train_spec import get_train_spec
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
+FITS, PLANNER_BUG, CANNOT_PLAN, DOES_NOT_FIT = 0, 1, 2, 3
 BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
 
@@ -45,7 +54,7 @@ def validate(cfg: JobConfig, sources: ConfigSources, world_size: int, vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("--config", required=True, help="training TOML")
     parser.add_argument("--device", required=True, type=str.upper, choices=DEVICES, help="device kind")
@@ -57,20 +66,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab_size", type=int,
                         help="vocabulary size, for flavors that take it from a tokenizer you do not have locally")
     args, overrides = parser.parse_known_args(argv)
-    if args.world_size < 1:
-        print(f"error: --world_size {args.world_size} is invalid; it must be >= 1", file=sys.stderr)
-        return 2
+    for flag in ("world_size", "vocab_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            return error(f"--{flag} {value} is invalid; it must be >= 1", CANNOT_PLAN)
     try:
         cfg, sources = load_config(["--job.config_file", args.config, *overrides])
         validate(cfg, sources, args.world_size, args.vocab_size)
         result = plan(cfg, args.device, args.world_size, args.efficiency, args.vocab_size)
     except (ConfigError, PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e), CANNOT_PLAN)
+    except Exception as e:  # a config that passed the checks must still never end in a traceback
+        return error(f"the planner failed on this config (a bug; please report it with the command line): "
+                     f"{type(e).__name__}: {e}", PLANNER_BUG)
     print(f"{cfg.model.name}/{cfg.model.flavor}: local batch {cfg.training.local_batch_size} x seq "
           f"{cfg.training.seq_len}, activation checkpointing {cfg.activation_checkpoint.mode}")
     print(format_plan(result))
-    return 0 if result.fits else 3
+    return FITS if result.fits else DOES_NOT_FIT
+
+
+def error(message: str, code: int) -> int:
+    """Print ``message`` as the one line ``error: ...`` on stderr; return the exit code."""
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,10 @@ TOKENIZER = REPO / "assets" / "tokenizer"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 # And anything else that tries HTTP(S) meets a proxy that refuses at once: the suite must pass offline.
-for _var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+# The values they had before are kept for the one setup step that must reach the network (online_env).
+_PROXIES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+ORIGINAL_PROXY_ENV = {var: os.environ.get(var) for var in (*_PROXIES, "NO_PROXY", "no_proxy")}
+for _var in _PROXIES:
     os.environ[_var] = "http://127.0.0.1:9"
 os.environ["NO_PROXY"] = os.environ["no_proxy"] = ""
 # `datasets` leaves a lock file per data file read in its cache; keep the tests' out of the user's cache.
@@ -27,6 +31,21 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 def _run_from_repo_root(monkeypatch):
     # Presets name paths relative to the repository root, as users run them.
     monkeypatch.chdir(REPO)
+
+
+def online_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: os.environ) with the proxy variables as they were before this file
+    pointed them at the offline proxy: restored where they were set, removed where they were not.
+
+    Only for a test's setup that must reach the network (installing Slurm); the test itself stays offline.
+    """
+    result = dict(os.environ if env is None else env)
+    for var, value in ORIGINAL_PROXY_ENV.items():
+        if value is None:
+            result.pop(var, None)
+        else:
+            result[var] = value
+    return result
 
 
 def run_module(module: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

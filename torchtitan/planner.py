@@ -56,6 +56,7 @@ class ModelShape:
     q_dim: int  # n_heads x head_dim
     kv_dim: int  # kv_heads x head_dim
     ffn_dim: int
+    qk_norm: bool  # q and k are RMS-normalised per head before RoPE (Qwen3)
     vocab: int
     params: int
     block_params: int  # one transformer block
@@ -118,7 +119,11 @@ class Plan:
 
 
 def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
-    """Counts from the config's model built on the meta device (free even for 405B)."""
+    """Counts and widths from the config's model built on the meta device (free even for 405B).
+
+    The widths are read from the built modules (the shared decoder's attention and feed-forward
+    Linears), not from the flavor's hyper-parameters, whose names differ between model families.
+    """
     spec = get_train_spec(cfg.model.name)
     flavor = spec.flavors[cfg.model.flavor]
     if vocab_size is None and getattr(flavor, "vocab_size", None) is None:
@@ -127,15 +132,19 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     with torch.device("meta"):
         model = spec.model_cls(args)
     block = next(iter(model.layers.values()))
+    attention, feed_forward = block.attention, block.feed_forward
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
+    tied = model.output.weight is model.tok_embeddings.weight
     return ModelShape(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
-        kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, vocab=args.vocab_size, params=params,
-        block_params=sum(p.numel() for p in block.parameters()),
+        dim=model.tok_embeddings.embedding_dim, n_layers=len(model.layers),
+        n_heads=attention.wq.out_features // attention.head_dim, q_dim=attention.wq.out_features,
+        kv_dim=attention.wk.out_features, ffn_dim=feed_forward.w1.out_features,
+        qk_norm=attention.q_norm is not None, vocab=model.output.out_features,
+        params=params, block_params=sum(p.numel() for p in block.parameters()),
         block_linear_params=sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)),
         embedding_params=embedding,
-        output_params=0 if args.tie_embeddings else model.output.weight.numel(),
+        output_params=0 if tied else model.output.weight.numel(),
         flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
     )
 
@@ -179,6 +188,11 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     else:
         norms = 2 * (c * d + 4 + c * d)
         linear_inputs = 2 * c * d  # q/k/v share one input, w1/w3 another
+    if m.qk_norm:
+        # The per-head RMSNorms of q and k save, like the block's norms, their input and normalised
+        # output (fp32 under autocast) and one 1/rms per head.
+        kv_h = h * m.kv_dim / m.q_dim
+        norms += (4 if autocast else c) * 2 * (q + kv) + 4 * (h + kv_h)
     return norms + linear_inputs + attention + wo_input + ffn
 
 

@@ -1,36 +1,79 @@
 """sbatch multinode_trainer.slurm on a real two-node Slurm (../shared/tools/local-slurm), with preemption.
 
 Needs root (the tool installs Debian's slurm-wlm and starts its daemons); elsewhere these tests are
-skipped with that reason.
+skipped with that reason. As root, a cluster that cannot be installed or started fails each test with
+one line saying why.
 """
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, online_env
 from torchtitan.components.checkpoint import complete_steps
 
 LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"
+NODES = 2
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0 or not LOCAL_SLURM.exists(),
-                       reason="a local Slurm cluster needs root and ../shared/tools/local-slurm"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="a local Slurm cluster needs root (it installs and starts slurm-wlm)"),
 ]
 FLAGS = ["--training.seq_len", "256", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
          "--checkpoint.enable", "--comm.init_timeout_seconds", "600"]
 
 
+def bring_up(tool: Path = LOCAL_SLURM, nodes: int = NODES, timeout: float = 900) -> str | None:
+    """Run ``tool up nodes``; None when it succeeded, else one line saying why not.
+
+    The tool may install slurm-wlm with apt-get, so it gets the proxy settings the user had, not the
+    unreachable one tests/conftest.py sets to keep the tests offline.
+    """
+    command = f"{tool.name} up {nodes}"
+    if not tool.is_file():
+        return f"{tool} is missing; it installs and starts the local Slurm cluster"
+    # Output goes to files, not pipes: the daemons the tool starts may keep its stdout and stderr open.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        try:
+            code = subprocess.run(["bash", str(tool), "up", str(nodes)], env=online_env(), stdout=out, stderr=err,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return f"`{command}` did not finish within {timeout:g} s"
+        if code == 0:
+            return None
+        last = []
+        for stream in (err, out):
+            stream.seek(0)
+            last += stream.read().strip().splitlines()[-1:]
+    return f"`{command}` failed (exit {code}): {last[0] if last else 'no output'}"
+
+
+def nodes_not_ready() -> str | None:
+    """None when every node takes jobs, else one line with the nodes' states (`up` returns 0 even when its
+    wait for idle nodes ran out)."""
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"sinfo failed after `{LOCAL_SLURM.name} up`: {e}"
+    if not states or not set(states) <= {"idle", "mix", "alloc"}:
+        return (f"the Slurm nodes are {', '.join(states) or 'not listed'} after `{LOCAL_SLURM.name} up`, "
+                f"not idle (daemon logs in /var/tmp/local-slurm)")
+    return None
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    subprocess.run(["bash", str(LOCAL_SLURM), "up", "2"], check=True, timeout=900)
-    yield
-    subprocess.run(["bash", str(LOCAL_SLURM), "down"], timeout=120)
+    """Brings the local cluster up; yields None when it is, else the one-line reason each test fails with
+    (a fixture that raises would make the tests errors with a traceback instead)."""
+    problem = bring_up() or nodes_not_ready()
+    yield problem
+    if LOCAL_SLURM.is_file():
+        subprocess.run(["bash", str(LOCAL_SLURM), "down"], capture_output=True, timeout=120)
 
 
 def submit(tmp_path: Path, *args: str) -> str:
@@ -67,6 +110,8 @@ def log_of(tmp_path: Path, job: str) -> str:
                          ids=["usr1-full", "usr1-batch-shell-only", "term-plain-scancel"])
 def test_two_node_training_preemption_then_resume(cluster, tmp_path, signal_name, scancel_args):
     """--batch reaches only the batch shell, as Slurm's --signal=B:USR1@120 notice does."""
+    if cluster:
+        pytest.fail(cluster, pytrace=False)
     job = submit(tmp_path, "--training.steps", "400", "--checkpoint.interval", "10")
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 600

@@ -40,6 +40,19 @@ def test_parameter_bytes_equal_the_real_model_parameter_count():
     assert memory.optimizer == 2 * real * 4  # AdamW: two fp32 moments
 
 
+def test_model_shape_reads_the_widths_of_either_family_from_the_built_model():
+    # Qwen3 names its widths differently from Llama and its attention is wider than the model.
+    qwen, _ = load_config(["--job.config_file", "train_configs/qwen3_debug.toml", "--model.flavor", "0.6B"])
+    m = model_shape(qwen)
+    assert (m.dim, m.n_layers, m.n_heads, m.q_dim, m.kv_dim, m.ffn_dim, m.qk_norm) == (
+        1024, 28, 16, 2048, 1024, 3072, True)
+    assert m.vocab == 151936 and m.output_params == 0  # the output shares the embedding table
+    llama = model_shape(config())
+    assert (llama.dim, llama.n_heads, llama.q_dim, llama.kv_dim, llama.ffn_dim, llama.qk_norm) == (
+        256, 16, 256, 256, 768, False)
+    assert llama.output_params == llama.embedding_params
+
+
 def test_fsdp_divides_parameters_gradients_and_optimizer_state():
     cfg = config("--training.seq_len", "256")
     single = plan(cfg, "H100", world_size=1).memory
@@ -77,8 +90,11 @@ def saved_bytes_per_token(cfg, autocast: bool) -> float:
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
-def test_layer_activation_formula_matches_what_the_forward_saves(precision):
-    cfg = config("--model.flavor", "tiny", "--training.seq_len", "64", "--training.mixed_precision_param", precision)
+@pytest.mark.parametrize("preset, flavor", [("debug_model", "tiny"), ("qwen3_debug", "debugmodel")])
+def test_layer_activation_formula_matches_what_the_forward_saves(preset, flavor, precision):
+    # Qwen3 adds QK-norm and has attention wider than the model (8 x 64 heads on dim 256).
+    cfg, _ = load_config(["--job.config_file", f"train_configs/{preset}.toml", "--model.flavor", flavor,
+                          "--training.seq_len", "64", "--training.mixed_precision_param", precision])
     autocast = uses_autocast(cfg.training)
     assert autocast == (precision == "bfloat16")
     assert layer_activation_bytes(model_shape(cfg), cfg, on_cpu=True, tp=1) == saved_bytes_per_token(cfg, autocast)

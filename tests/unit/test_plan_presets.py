@@ -1,0 +1,77 @@
+"""scripts/plan.py on every shipped preset at the world size it is written for, and its exit codes."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from scripts import plan as plan_script
+from tests.conftest import REPO
+from torchtitan import planner
+
+PRESETS = sorted((REPO / "train_configs").glob("*.toml"))
+
+
+def intended_run(preset) -> tuple[str, int]:
+    """(device, world size) a preset is written for: a cluster preset's opening comment says "on N GPUs";
+    the others (debug, tiny, Qwen3 debug) are for one process on a CPU."""
+    cluster = re.search(r"\bon (\d+) GPUs\b", preset.read_text())
+    return ("H100", int(cluster.group(1))) if cluster else ("CPU", 1)
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = plan_script.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cluster_presets_are_planned_on_their_clusters():
+    runs = {p.name: intended_run(p) for p in PRESETS}
+    assert runs["llama3_8b.toml"] == ("H100", 8)
+    assert runs["llama3_70b.toml"] == ("H100", 64)
+    assert runs["llama3_405b.toml"] == ("H100", 512)
+    assert runs["qwen3_debug.toml"] == runs["debug_model.toml"] == ("CPU", 1)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_preset_gets_a_plan(preset, capsys, monkeypatch):
+    # The CPU measurements (matmul peak, the model's blocks timed) take minutes on a fresh machine; the
+    # plan around them is what is checked here (test_planner.py checks the calibration itself).
+    monkeypatch.setattr(planner, "cpu_machine_peak_tflops", lambda dtype: 1.0)
+    monkeypatch.setattr(planner, "measure_cpu_timing", lambda cfg, vocab_size: planner.CpuTiming(0.1, 0.1, 0.01, 0.01))
+    device, world_size = intended_run(preset)
+    code, out, err = run_plan(capsys, "--config", str(preset.relative_to(REPO)), "--device", device,
+                              "--world_size", str(world_size))
+    # Not fitting is a verdict, not a failure to plan.
+    assert code in (plan_script.FITS, plan_script.DOES_NOT_FIT), err
+    assert f"device: {device}" in out and f"layout: world {world_size} =" in out
+    assert out.rstrip().splitlines()[-1].startswith("fits: " if code == plan_script.FITS else "DOES NOT FIT")
+
+
+def test_a_config_that_cannot_be_planned_exits_2_with_one_line(tmp_path):
+    config = tmp_path / "bad.toml"
+    # A Llama flavor under the Qwen3 model: the kind of config that used to reach the planner's internals.
+    config.write_text(f'extends = "{REPO / "train_configs" / "qwen3_debug.toml"}"\n\n[model]\nflavor = "70B"\n')
+    result = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(config), "--device", "H100"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == plan_script.CANNOT_PLAN == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") and "model.flavor = '70B' is not a flavor" in result.stderr
+
+
+def test_a_planner_failure_is_one_line_with_its_own_exit_code(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise AttributeError("'SomeModelArgs' object has no attribute 'kv_heads'\n(second line)")
+
+    monkeypatch.setattr(plan_script, "plan", broken)
+    code, out, err = run_plan(capsys, "--config", "train_configs/tiny.toml", "--device", "H100")
+    assert code == plan_script.PLANNER_BUG == 1 and out == ""
+    assert err == ("error: the planner failed on this config (a bug; please report it with the command line): "
+                   "AttributeError: 'SomeModelArgs' object has no attribute 'kv_heads' (second line)\n")
+
+
+@pytest.mark.parametrize("flag", ["--world_size", "--vocab_size"])
+def test_non_positive_sizes_are_refused_in_one_line(capsys, flag):
+    code, out, err = run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", flag, "-5")
+    assert code == 2 and out == "" and err == f"error: {flag} -5 is invalid; it must be >= 1\n"
