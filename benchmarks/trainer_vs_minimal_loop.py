@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torchtitan.components.peak_flops import cpu_model, device_peak_tflops, measure_matmul_tflops, usable_cores
 from torchtitan.config import load_config
 from torchtitan.config.validation import validate_config
+from torchtitan.distributed.precision import DTYPES
 from torchtitan.log import init_logger
 from torchtitan.train import Trainer
 
@@ -84,7 +85,7 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/trainer_vs_minimal_loop.md")
     args = parser.parse_args()
     init_logger(0)
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
 
     with tempfile.TemporaryDirectory() as dump:
         trainer = build_trainer(args, dump)

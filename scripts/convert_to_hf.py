@@ -10,8 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan.components.checkpoint import EXPORT_DTYPES, CheckpointError
+from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
+from torchtitan.distributed.precision import DTYPES
 from torchtitan.hf_checkpoint import write_hf_folder
 from torchtitan.inference import build_model, load_dcp_model
 
@@ -21,7 +22,7 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
-    parser.add_argument("--dtype", choices=EXPORT_DTYPES,
+    parser.add_argument("--dtype", choices=DTYPES,
                         help="weights dtype (default: the config's checkpoint.export_dtype)")
     args = parser.parse_args()
     try:

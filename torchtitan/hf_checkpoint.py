@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from torchtitan.distributed.precision import DTYPES
+
 # Copied from model.hf_assets_path when present, so that AutoTokenizer loads the folder too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 WEIGHTS_FILE = "model.safetensors"
@@ -41,7 +43,7 @@ def write_hf_folder(folder: Path, state: dict[str, torch.Tensor], adapter, token
     ``tokenizer`` gives the bos/eos ids, ``hf_assets_path`` the tokenizer files to copy, and ``dtype``
     ("float32", "bfloat16", "float16") the weights' dtype.
     """
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = DTYPES[dtype]
     ours = {k: v.detach().to("cpu", torch_dtype if v.is_floating_point() else v.dtype).contiguous()
             for k, v in state.items()}
     hf_state = adapter.to_hf(ours)

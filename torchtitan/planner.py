@@ -371,7 +371,7 @@ def _time_model(cfg: JobConfig, n_layers: int, vocab_size: int, repeats: int) ->
     optimizer = build_optimizer([model], cfg.optimizer)
     loss_fn = spec.build_loss_fn()
     tokens = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
-    compute = getattr(torch, t.mixed_precision_param)
+    compute = DTYPES[t.mixed_precision_param]
     autocast = torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32)
     best_step, best_optimizer = math.inf, math.inf
     for i in range(repeats + 1):

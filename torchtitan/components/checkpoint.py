@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.distributed.precision import DTYPES
 from torchtitan.hf_checkpoint import read_safetensors, write_hf_folder
 from torchtitan.log import logger
 
@@ -50,7 +51,6 @@ PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A test-only hook: seconds each background save sleeps before writing, to make a window to kill it in.
 SLOW_SAVE_ENV = "TORCHTITAN_TEST_SLOW_SAVE_SECONDS"
 # A single process needs no process group to save or load; DCP warns about that every time.
@@ -398,7 +398,7 @@ class CheckpointManager:
         Hugging Face folder with last_save_in_hf)."""
         if self.cfg.last_save_in_hf:
             return self.export_hf(step)
-        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        dtype = DTYPES[self.cfg.export_dtype]
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.states["model"].state_dict().items()}
         final = self.folder / f"export-step-{step}"
         partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
