@@ -69,7 +69,9 @@ def measure_matmul_tflops(dtype: torch.dtype, threads: int, budget_seconds: floa
     best = rate = 0.0  # FLOP/s: the best so far, and the last size's
 
     def fits(flops: float) -> bool:
-        return rate > 0 and clock() + flops / rate <= deadline
+        # Predicted at half the last size's rate: a slow kernel path can lose speed as sizes grow (bf16
+        # on an AVX2-only CPU: ~3 GFLOP/s at 256^2, ~0.7 at 1024^2).
+        return rate > 0 and clock() + 2 * flops / rate <= deadline
 
     try:
         for _ in range(rounds):
