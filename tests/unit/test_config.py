@@ -155,7 +155,7 @@ def test_seed_checkpoint_and_hf_export_combinations_that_cannot_work_are_refused
     from torchtitan.protocols import train_spec
 
     no_adapter = dataclasses.replace(train_spec.get_train_spec("llama3"), state_dict_adapter=None)
-    monkeypatch.setitem(train_spec._REGISTRY, "llama3_no_hf", no_adapter)
+    monkeypatch.setitem(train_spec.TRAIN_SPECS._entries, "llama3_no_hf", no_adapter)
     check(["--checkpoint.enable", "--model.name", "llama3_no_hf"])  # fine without the HF export
     with pytest.raises(ConfigError, match=r"last_save_in_hf = True is not supported by model.name = 'llama3_no_hf': "
                                           r"its TrainSpec has no state_dict_adapter"):

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.registry import Registry
 
 DocumentLoader = Callable[[str], Iterable[str]]
 
-_DATASETS: dict[str, DocumentLoader] = {}
+DATASETS: Registry[DocumentLoader] = Registry("dataset", replace=True)
 
 # File suffix -> the `datasets` builder that reads it; json, jsonl and txt may also be gzipped (.gz).
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
@@ -33,12 +34,12 @@ _ROWS_PER_READ = 1024
 
 def register_dataset(name: str, loader_fn: DocumentLoader) -> None:
     """Register (or replace) a dataset: loader_fn(split) returns that split's documents, re-iterable."""
-    _DATASETS[name] = loader_fn
+    DATASETS.register(name, loader_fn)
 
 
 def registered_datasets() -> list[str]:
     """Return the names of the registered datasets, sorted."""
-    return sorted(_DATASETS)
+    return DATASETS.names()
 
 
 def _one_line(error: BaseException) -> str:
@@ -201,6 +202,6 @@ def load_documents(dataset: str, dataset_path: str | None, split: str, text_colu
     """The documents of a split: the local dataset_path if given (it has no splits), else the registered dataset."""
     if dataset_path is not None:
         return LocalFiles(dataset_path, text_column)
-    if dataset not in _DATASETS:
+    if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; registered datasets: {', '.join(registered_datasets())}")
-    return _DATASETS[dataset](split)
+    return DATASETS.get(dataset)(split)

@@ -6,6 +6,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Outermost to innermost: pipeline stages span the slowest links, tensor parallel the fastest.
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Views made of several dimensions: data loading, FSDP, and the loss.
+FLAT_MESHES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+               "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+MESH_NAMES = (*MESH_DIM_ORDER, *FLAT_MESHES)
 
 
 @dataclass
@@ -84,26 +88,27 @@ class ParallelDims:
         self._mesh = mesh
         # Flattened views are kept here: torch wants them bookkept, not sliced again from the root.
         self._flat = {}
-        for flat, parts in (
-            ("dp", ("dp_replicate", "dp_shard")),
-            ("dp_shard_cp", ("dp_shard", "cp")),
-            ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
-        ):
+        for flat, parts in FLAT_MESHES.items():
             present = tuple(p for p in parts if p in names)
             if present:
                 self._flat[flat] = mesh[present]._flatten(flat) if len(present) > 1 else mesh[present[0]]
         return mesh
 
-    def submesh(self, name: str | tuple[str, ...]) -> DeviceMesh | None:
-        """A named (possibly flattened) sub-mesh, or None when that dimension has size 1."""
+    def submesh(self, name: str) -> DeviceMesh | None:
+        """A named (possibly flattened) sub-mesh, or None when that dimension has size 1.
+
+        Raises ValueError for a name that is no dimension at all, so a misspelt name cannot pass for
+        "size 1" and silently skip, say, the loss all-reduce.
+        """
+        if name not in MESH_NAMES:
+            raise ValueError(f"no mesh dimension named {name!r}; valid: {', '.join(MESH_NAMES)}")
         if self._mesh is None:
             return None
         if name in self._flat:
             return self._flat[name]
-        try:
+        if name in self._mesh.mesh_dim_names:
             return self._mesh[name]
-        except (KeyError, ValueError, RuntimeError):
-            return None
+        return None
 
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP shards over: dp_shard x cp, with dp_replicate as an outer dimension for HSDP."""

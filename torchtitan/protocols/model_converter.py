@@ -8,6 +8,8 @@ from typing import Protocol
 
 from torch import nn
 
+from torchtitan.registry import Registry
+
 
 class ModelConverter(Protocol):
     def __init__(self, job_config, parallel_dims): ...
@@ -19,30 +21,26 @@ class ModelConverter(Protocol):
         """Work needed after each optimizer step (e.g. refreshing cached scales)."""
 
 
-_CONVERTERS: dict[str, type] = {}
+CONVERTERS: Registry[type] = Registry("model converter", builtin_modules=("torchtitan.components.float8",))
 
 
 def register_model_converter(name: str, converter_cls: type) -> None:
     """Make ``converter_cls`` selectable as ``model.converters = [name]``; a name can be registered once."""
-    if name in _CONVERTERS:
-        raise ValueError(f"a model converter named '{name}' is already registered")
-    _CONVERTERS[name] = converter_cls
+    CONVERTERS.register(name, converter_cls)
 
 
 def registered_model_converters() -> list[str]:
-    _register_builtin_converters()
-    return sorted(_CONVERTERS)
+    return CONVERTERS.names()
 
 
 class ModelConverters:
     """The converters named in the config, applied in order."""
 
     def __init__(self, names: list[str], job_config, parallel_dims):
-        _register_builtin_converters()
-        unknown = [n for n in names if n not in _CONVERTERS]
+        unknown = [n for n in names if n not in CONVERTERS]
         if unknown:
-            raise KeyError(f"unknown model converters {unknown}; registered: {', '.join(sorted(_CONVERTERS))}")
-        self.converters = [_CONVERTERS[n](job_config, parallel_dims) for n in names]
+            raise KeyError(f"unknown model converters {unknown}; registered: {', '.join(CONVERTERS.names())}")
+        self.converters = [CONVERTERS.get(n)(job_config, parallel_dims) for n in names]
 
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
@@ -51,8 +49,3 @@ class ModelConverters:
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:
             converter.post_optimizer_hook(model_parts)
-
-
-def _register_builtin_converters() -> None:
-    # Imported for its registration side effect, only when converters are asked about.
-    import torchtitan.components.float8  # noqa: F401

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.registry import Registry
 
 
 @dataclass
@@ -50,28 +51,17 @@ class TrainSpec:
                 setattr(self, name, fn)
 
 
-_REGISTRY: dict[str, TrainSpec] = {}
+TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=("torchtitan.models",))
 
 
 def register_train_spec(name: str, spec: TrainSpec) -> None:
     """Make ``spec`` selectable as ``model.name = name``; registering a name twice is an error."""
-    if name in _REGISTRY:
-        raise ValueError(f"a TrainSpec named '{name}' is already registered")
-    _REGISTRY[name] = spec
+    TRAIN_SPECS.register(name, spec)
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    _register_builtin_models()
-    if name not in _REGISTRY:
-        raise KeyError(f"no model named '{name}'; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return TRAIN_SPECS.get(name)
 
 
 def registered_train_specs() -> list[str]:
-    _register_builtin_models()
-    return sorted(_REGISTRY)
-
-
-def _register_builtin_models() -> None:
-    # Imported for their registration side effect; deferred so this module imports cheaply.
-    import torchtitan.models  # noqa: F401
+    return TRAIN_SPECS.names()
