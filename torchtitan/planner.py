@@ -27,7 +27,6 @@ from torchtitan.models import amx_attention
 from torchtitan.protocols.train_spec import get_train_spec
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Usable memory per device in GiB, from the vendors' data sheets (80 GB parts report ~79.1 GiB to
 # CUDA; we use the nominal size and leave the margin to the user's judgement).
@@ -167,7 +166,7 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int) -> float:
     """Bytes one transformer block saves for backward, per token (see docs/planning.md)."""
-    c = DTYPE_BYTES[cfg.training.mixed_precision_param]
+    c = DTYPES[cfg.training.mixed_precision_param].itemsize
     autocast = uses_autocast(cfg.training)
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
     # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them:
@@ -260,7 +259,7 @@ def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) 
 
 def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, rank: PipelineRank) -> Memory:
     t = cfg.training
-    s, c = DTYPE_BYTES[t.dtype], DTYPE_BYTES[t.mixed_precision_param]
+    s, c = DTYPES[t.dtype].itemsize, DTYPES[t.mixed_precision_param].itemsize
     fsdp = layout.fsdp > 1
     tp = layout.tp
     autocast = uses_autocast(cfg.training, fsdp)
@@ -437,8 +436,7 @@ def cpu_memory_gib() -> float:
 def device_capacity_and_peak(device: str, compute_dtype: str) -> tuple[float, float]:
     """(memory GiB, peak TFLOP/s in compute_dtype) of one device."""
     if device == "CPU":
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[compute_dtype]
-        return cpu_memory_gib(), cpu_machine_peak_tflops(dtype)
+        return cpu_memory_gib(), cpu_machine_peak_tflops(DTYPES[compute_dtype])
     if device not in DEVICE_MEMORY_GIB:
         raise PlanError(f"device {device!r} is unknown; valid: {', '.join([*DEVICE_MEMORY_GIB, 'CPU'])}")
     peak = gpu_peak_tflops(DEVICE_PEAK_NAMES[device], compute_dtype)

@@ -144,3 +144,17 @@ def test_the_planner_picks_the_trainers_dtype(fast_bf16, fast, expected):
     assert plan(cfg, "CPU", efficiency=0.5).compute_dtype == expected
     assert plan(cfg, "H100").compute_dtype == "bfloat16"
     assert cfg.training.mixed_precision_param == "auto"  # planning leaves the config as it was
+
+
+def test_no_other_dtype_name_table_exists():
+    """Dtype names map to torch dtypes in precision.DTYPES only (a grep of the package and scripts)."""
+    import re
+    from pathlib import Path
+
+    # name -> torch dtype, name -> byte size, or a dtype looked up by name on the torch module
+    table = re.compile(r"""["'](float32|bfloat16|float16)["']\s*:\s*(torch\.|[1248]\s*[,}])|getattr\(torch,""")
+    root = Path(precision.__file__).parents[2]
+    offenders = [f"{path.relative_to(root)}:{number}" for folder in ("torchtitan", "scripts", "benchmarks")
+                 for path in sorted((root / folder).rglob("*.py")) if path != Path(precision.__file__)
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if table.search(line)]
+    assert offenders == []
