@@ -22,6 +22,7 @@ from torch import nn
 
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, resolve_compute_dtype, uses_autocast
 from torchtitan.models import amx_attention
 from torchtitan.protocols.train_spec import get_train_spec
@@ -66,24 +67,6 @@ class ModelShape:
 
 
 @dataclass
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
-
-    @property
-    def fsdp(self) -> int:
-        """What FSDP shards parameters, gradients and optimizer state over."""
-        return self.dp_shard * self.cp
-
-
-@dataclass
 class Memory:
     """Predicted peak bytes per device, by component."""
 
@@ -103,7 +86,7 @@ class Memory:
 class Plan:
     device: str
     capacity_gib: float
-    layout: Layout
+    layout: ParallelDims
     memory: Memory
     tokens_per_device: float  # per optimizer step
     flops_per_device: float  # per optimizer step, recomputation included
@@ -148,20 +131,13 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     )
 
 
-def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
-    p = cfg.parallelism
-    others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
-    others *= p.pipeline_parallel_degree
-    shard = p.data_parallel_shard_degree
-    if shard == -1:
-        if world_size % others:
-            raise PlanError(f"world size {world_size} is not divisible by replicate x cp x tp x pp = {others}")
-        shard = world_size // others
-    layout = Layout(p.data_parallel_replicate_degree, shard, p.context_parallel_degree,
-                    p.tensor_parallel_degree, p.pipeline_parallel_degree)
-    if layout.world_size != world_size:
-        raise PlanError(f"the parallel degrees multiply to {layout.world_size}, not the world size {world_size}")
-    return layout
+def resolve_layout(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The trainer's layout arithmetic (no process group needed), with its errors as PlanError."""
+    try:
+        return ParallelDims.from_config(cfg.parallelism, world_size)
+    except ValueError as e:
+        raise PlanError(f"parallelism.data_parallel_shard_degree = {cfg.parallelism.data_parallel_shard_degree} "
+                        f"{e}") from None
 
 
 def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int) -> float:
@@ -211,7 +187,7 @@ class PipelineRank:
 ALL_FORWARDS_FIRST = ("GPipe", "LoopedBFS")
 
 
-def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: Layout) -> list[PipelineRank]:
+def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[PipelineRank]:
     """Per pipeline rank: the blocks it holds (the trainer's own stage split) and its activations in flight.
 
     Rule, with n_mb = local_batch_size / pipeline_parallel_microbatch_size micro-batches per step and
@@ -251,23 +227,23 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: Layout) -> list[Pipeli
     return ranks
 
 
-def predict_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool) -> Memory:
+def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
     """The busiest device's peak: each pipeline rank is predicted and the largest total kept."""
     return max((rank_memory(m, cfg, layout, on_cpu, rank) for rank in pipeline_ranks(m, cfg, layout)),
                key=lambda memory: memory.total)
 
 
-def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, rank: PipelineRank) -> Memory:
+def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool, rank: PipelineRank) -> Memory:
     t = cfg.training
     s, c = DTYPES[t.dtype].itemsize, DTYPES[t.mixed_precision_param].itemsize
-    fsdp = layout.fsdp > 1
+    fsdp = layout.fsdp_degree > 1
     tp = layout.tp
     autocast = uses_autocast(cfg.training, fsdp)
     # Parameters on this device: blocks split by TP (norm weights are small and counted as split
     # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
     outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
     head_params = (m.embedding_params if rank.first else 0) + (outside_blocks - m.embedding_params if rank.last else 0)
-    params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp
+    params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
     grads = params_local * s
     optimizer = 2 * params_local * s if cfg.optimizer.name in ("AdamW", "Adam") else 0
@@ -306,7 +282,7 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, ran
         head_saved = (norm + c * m.dim + 4 * vocab) * tokens * rank.head_in_flight
         head_saved += c * m.output_params / tp if autocast else 0
         head_transient = 2 * 4 * vocab * tokens
-        output_grad = m.output_params * s / tp / layout.fsdp
+        output_grad = m.output_params * s / tp / layout.fsdp_degree
     # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one.
     gathered = 2 * c * m.block_params / tp if fsdp else 0
 
@@ -322,22 +298,14 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: Layout, on_cpu: bool, ran
                   transient=transient_bytes, peak_phase=phase)
 
 
-def grad_accum_steps(cfg: JobConfig, layout: Layout) -> int:
-    t = cfg.training
-    dp = layout.dp_replicate * layout.dp_shard
-    return 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dp)
-
-
-def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: Layout) -> tuple[float, float, float]:
+def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> tuple[float, float, float]:
     """(tokens, matmul FLOPs, attention FLOPs) one device executes per step, recomputation included.
 
     Unlike the MFU convention (flops_per_token), the causal mask is discounted: attention kernels
     skip the masked half of the score matrix, so they execute half the attention FLOPs.
     """
     t = cfg.training
-    dp = layout.dp_replicate * layout.dp_shard
-    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
-    tokens = global_batch * t.seq_len / layout.world_size
+    tokens = layout.global_batch_size(t) * t.seq_len / layout.world_size
     attention = 12 * m.n_layers * m.q_dim * t.seq_len / 2
     weights = m.flops_per_token - 12 * m.n_layers * m.q_dim * t.seq_len  # 6 x non-embedding params
     block_weights = weights - 6 * m.output_params
@@ -412,7 +380,7 @@ def recomputed_fraction(cfg: JobConfig, n_layers: int) -> float:
     return math.ceil(n_layers / int(ac.selective_ac_option)) / n_layers
 
 
-def cpu_step_seconds(m: ModelShape, cfg: JobConfig, layout: Layout, timing: CpuTiming) -> float:
+def cpu_step_seconds(m: ModelShape, cfg: JobConfig, layout: ParallelDims, timing: CpuTiming) -> float:
     """Step time on CPU from the measured parts: blocks (with recomputation, a third of their
     forward + backward), the rest, and the optimizer, for this device's share of layers and tokens.
     Communication between CPU processes is not modelled."""
@@ -421,7 +389,7 @@ def cpu_step_seconds(m: ModelShape, cfg: JobConfig, layout: Layout, timing: CpuT
     per_micro /= layout.tp * layout.cp
     shard = layout.dp_shard * layout.cp * layout.tp
     optimizer = (layers * timing.optimizer_per_layer + timing.optimizer_rest) / shard
-    return grad_accum_steps(cfg, layout) * per_micro + optimizer
+    return layout.grad_accum_steps(cfg.training) * per_micro + optimizer
 
 
 def cpu_memory_gib() -> float:

@@ -109,10 +109,8 @@ class Trainer:
 
         # Data: each data-parallel rank reads its share of one global stream.
         dp_rank, dp_degree = self.parallel_dims.dp_coordinates()
-        global_batch = training.global_batch_size
-        if global_batch == -1:
-            global_batch = training.local_batch_size * dp_degree
-        self.grad_accum_steps = global_batch // (training.local_batch_size * dp_degree)
+        global_batch = self.parallel_dims.global_batch_size(training)
+        self.grad_accum_steps = self.parallel_dims.grad_accum_steps(training)
         self.dataloader = spec.build_dataloader_fn(
             self.tokenizer,
             dataset=training.dataset,

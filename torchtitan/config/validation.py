@@ -7,6 +7,7 @@ from typing import Any
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.loading import ConfigError, ConfigSources
 from torchtitan.distributed.device import device_type
+from torchtitan.distributed.parallel_dims import ParallelDims
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -106,16 +107,10 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
     shard = p.data_parallel_shard_degree
     c.require("parallelism.data_parallel_shard_degree", shard == -1 or shard >= 1,
               "is invalid; it must be -1 (the remaining ranks) or >= 1")
-    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
-    others *= p.context_parallel_degree
-    if shard == -1:
-        c.require("parallelism.data_parallel_shard_degree", world_size % others == 0,
-                  f"cannot fill the world size {world_size}: the other degrees multiply to {others}, "
-                  f"which does not divide it")
-        shard = world_size // others
-    c.require("parallelism.data_parallel_shard_degree", others * shard == world_size,
-              f"is invalid: replicate x shard x tp x pp x cp = {others * shard}, but the world size is "
-              f"{world_size}; the degrees must multiply to the world size")
+    try:
+        dims = ParallelDims.from_config(p, world_size)
+    except ValueError as e:
+        c.fail("parallelism.data_parallel_shard_degree", str(e))
     tp = p.tensor_parallel_degree
     c.require("parallelism.tensor_parallel_degree", c.cfg.training.seq_len % tp == 0,
               f"does not divide training.seq_len = {c.cfg.training.seq_len}, which sequence parallelism shards")
@@ -143,7 +138,7 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
                   "needs compile.enable = true (it works on compiled graphs)")
     t = c.cfg.training
     if t.global_batch_size != -1:
-        per_step = t.local_batch_size * p.data_parallel_replicate_degree * shard
+        per_step = t.local_batch_size * dims.dp
         c.require("training.global_batch_size", t.global_batch_size % per_step == 0,
                   f"is not divisible by local_batch_size x data-parallel degree = {per_step}")
 

@@ -27,26 +27,36 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
-        """Resolve data_parallel_shard_degree = -1 to the ranks the other degrees leave over."""
-        others = (
-            parallelism.data_parallel_replicate_degree
-            * parallelism.context_parallel_degree
-            * parallelism.tensor_parallel_degree
-            * parallelism.pipeline_parallel_degree
-        )
-        dp_shard = parallelism.data_parallel_shard_degree
+        """The degrees of ``parallelism`` on ``world_size`` ranks, data_parallel_shard_degree = -1 resolved to
+        the ranks the other degrees leave over. When they do not fit, raises ValueError with the reason, to
+        be put after "parallelism.data_parallel_shard_degree = <value>".
+
+        Needs no process group: config validation and the planner use it too.
+        """
+        p = parallelism
+        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+        others *= p.pipeline_parallel_degree
+        dp_shard = p.data_parallel_shard_degree
         if dp_shard == -1:
-            dp_shard = max(world_size // others, 1)
-        dims = cls(
-            dp_replicate=parallelism.data_parallel_replicate_degree,
-            dp_shard=dp_shard,
-            cp=parallelism.context_parallel_degree,
-            tp=parallelism.tensor_parallel_degree,
-            pp=parallelism.pipeline_parallel_degree,
-            world_size=world_size,
-        )
-        assert others * dp_shard == world_size, f"unvalidated parallel degrees {dims}"
-        return dims
+            if world_size % others:
+                raise ValueError(f"cannot fill the world size {world_size}: the other degrees multiply to "
+                                 f"{others}, which does not divide it")
+            dp_shard = world_size // others
+        if others * dp_shard != world_size:
+            raise ValueError(f"is invalid: replicate x shard x tp x pp x cp = {others * dp_shard}, but the world "
+                             f"size is {world_size}; the degrees must multiply to the world size")
+        return cls(dp_replicate=p.data_parallel_replicate_degree, dp_shard=dp_shard, cp=p.context_parallel_degree,
+                   tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, world_size=world_size)
+
+    def global_batch_size(self, training) -> int:
+        """Sequences per optimizer step: training.global_batch_size, or -1 = one micro-batch per dp rank."""
+        if training.global_batch_size == -1:
+            return training.local_batch_size * self.dp
+        return training.global_batch_size
+
+    def grad_accum_steps(self, training) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step (validation checks it divides)."""
+        return self.global_batch_size(training) // (training.local_batch_size * self.dp)
 
     def layout(self) -> dict:
         """The degrees as a plain dict (for logs and provenance)."""
@@ -57,6 +67,11 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: how many different batches are processed at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_degree(self) -> int:
+        """What FSDP shards parameters, gradients and optimizer state over (context-parallel ranks too)."""
+        return self.dp_shard * self.cp
 
     @property
     def fsdp_enabled(self) -> bool:
