@@ -25,6 +25,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, resolve_compute_dtype, uses_autocast
 from torchtitan.models import amx_attention
+from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.protocols.train_spec import get_train_spec
 
 GIB = 2**30
@@ -101,32 +102,28 @@ class Plan:
 
 
 def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
-    """Counts and widths from the config's model built on the meta device (free even for 405B).
-
-    The widths are read from the built modules (the shared decoder's attention and feed-forward
-    Linears), not from the flavor's hyper-parameters, whose names differ between model families.
-    """
+    """Widths from the flavor's DecoderArgs (the interface every decoder family implements), parameter
+    counts from the model built on the meta device (free even for 405B)."""
     spec = get_train_spec(cfg.model.name)
     flavor = spec.flavors[cfg.model.flavor]
-    if vocab_size is None and getattr(flavor, "vocab_size", None) is None:
+    if not isinstance(flavor, DecoderArgs):
+        raise PlanError(f"model.name = {cfg.model.name!r}: the planner needs its flavors to be DecoderArgs "
+                        f"(torchtitan/models/decoder_args.py), not {type(flavor).__name__}")
+    if vocab_size is None and flavor.vocab_size is None:
         vocab_size = spec.build_tokenizer_fn(cfg.model.hf_assets_path).vocab_size
     args = flavor.finalize(vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
     block = next(iter(model.layers.values()))
-    attention, feed_forward = block.attention, block.feed_forward
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
-    tied = model.output.weight is model.tok_embeddings.weight
     return ModelShape(
-        dim=model.tok_embeddings.embedding_dim, n_layers=len(model.layers),
-        n_heads=attention.wq.out_features // attention.head_dim, q_dim=attention.wq.out_features,
-        kv_dim=attention.wk.out_features, ffn_dim=feed_forward.w1.out_features,
-        qk_norm=attention.q_norm is not None, vocab=model.output.out_features,
-        params=params, block_params=sum(p.numel() for p in block.parameters()),
+        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
+        kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
+        vocab=args.vocab_size, params=params, block_params=sum(p.numel() for p in block.parameters()),
         block_linear_params=sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)),
         embedding_params=embedding,
-        output_params=0 if tied else model.output.weight.numel(),
+        output_params=0 if args.tie_embeddings else args.vocab_size * args.dim,
         flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
     )
 

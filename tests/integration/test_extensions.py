@@ -44,11 +44,13 @@ def test_outside_package_model_under_fsdp2_matches_single_process(tmp_path):
 
 
 def test_registries_refuse_duplicates_and_unknown_names():
-    from torchtitan.models.llama3 import Transformer, llama3_flavors, parallelize_llama
+    from torchtitan.distributed.apply_common import parallelize_decoder
+    from torchtitan.models.decoder import Decoder
+    from torchtitan.models.llama3 import llama3_flavors
 
     with pytest.raises(ValueError, match="'llama3' is already registered"):
-        register_train_spec("llama3", TrainSpec(model_cls=Transformer, flavors=llama3_flavors,
-                                                parallelize_fn=parallelize_llama))
+        register_train_spec("llama3", TrainSpec(model_cls=Decoder, flavors=llama3_flavors,
+                                                parallelize_fn=parallelize_decoder))
     with pytest.raises(ValueError, match="'float8' is already registered"):
         from torchtitan.components.float8 import Float8Converter  # noqa: F401  (registers float8)
 

@@ -2,14 +2,9 @@
 
 import dataclasses
 
-from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3, qwen3_flavors
-from torchtitan.protocols import TrainSpec, register_train_spec
+from torchtitan.models.decoder_spec import decoder_train_spec
+from torchtitan.models.qwen3 import qwen3_flavors
+from torchtitan.protocols import register_train_spec
 
-register_train_spec(
-    "qwen3_tied",
-    TrainSpec(
-        model_cls=Qwen3Model,
-        flavors={"debugmodel": dataclasses.replace(qwen3_flavors["debugmodel"], tie_embeddings=True)},
-        parallelize_fn=parallelize_qwen3,
-    ),
-)
+register_train_spec("qwen3_tied", decoder_train_spec(
+    {"debugmodel": dataclasses.replace(qwen3_flavors["debugmodel"], tie_embeddings=True)}))

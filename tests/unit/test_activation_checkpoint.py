@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3 import Transformer, llama3_flavors
+from torchtitan.models.decoder import Decoder
+from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.seeded_init import canonical_name
 
 
@@ -37,7 +38,7 @@ class HeldForBackward(TorchDispatchMode):
 def run(mode: str, option: str, tokens: torch.Tensor):
     args = llama3_flavors["debugmodel"].finalize(2048, tokens.shape[1])
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Decoder(args)
     apply_ac(model, mode, option, preserve_rng_state=False)
     model.to_empty(device="cpu")
     model.init_weights(0)

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.llama3 import Transformer, llama3_flavors
-from torchtitan.models.llama3.args import RopeScaling
-from torchtitan.models.llama3.model import apply_rope, rope_frequencies
+from torchtitan.models.decoder import Decoder
+from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.llama3.args import RopeScaling, scaled_rope_frequencies
+from torchtitan.models.rope import apply_rope
 from torchtitan.protocols import count_params
 
 
@@ -15,7 +16,7 @@ def test_published_sizes_build_on_meta_with_published_parameter_counts(flavor, e
     args = llama3_flavors[flavor].finalize(tokenizer_vocab_size=2048, seq_len=8192)
     assert args.vocab_size == 128256  # the flavor fixes the vocab, not the tokenizer
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Decoder(args)
     assert abs(count_params(model) - expected) / expected < 0.005
 
 
@@ -33,7 +34,7 @@ def _tiny(seed=0, **overrides):
     for k, v in overrides.items():
         setattr(args, k, v)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Decoder(args)
     model.to_empty(device="cpu")
     model.init_weights(seed)
     return model
@@ -89,8 +90,8 @@ def test_attention_matches_a_float64_reference_with_gqa():
 
 
 def test_llama31_rope_scaling_per_frequency():
-    base = rope_frequencies(128, 500000.0, None)
-    scaled = rope_frequencies(128, 500000.0, RopeScaling())
+    base = scaled_rope_frequencies(128, 500000.0, None)
+    scaled = scaled_rope_frequencies(128, 500000.0, RopeScaling())
     for f, s in zip(base.tolist(), scaled.tolist()):
         wavelen = 2 * math.pi / f
         if wavelen < 8192 / 4:
@@ -141,7 +142,7 @@ def test_hf_adapter_permutes_q_and_k_rows_to_halves_and_round_trips():
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     args = llama3_flavors["tiny"].finalize(97, 16)
-    model = Transformer(args)
+    model = Decoder(args)
     state = {name: torch.randn_like(t) for name, t in model.state_dict().items()}
     adapter = Llama3StateDictAdapter(args)
     hf = adapter.to_hf(state)

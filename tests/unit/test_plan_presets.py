@@ -75,3 +75,23 @@ def test_a_planner_failure_is_one_line_with_its_own_exit_code(capsys, monkeypatc
 def test_non_positive_sizes_are_refused_in_one_line(capsys, flag):
     code, out, err = run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", flag, "-5")
     assert code == 2 and out == "" and err == f"error: {flag} -5 is invalid; it must be >= 1\n"
+
+
+def test_a_family_registered_from_outside_is_planned_through_the_decoder_interface(capsys):
+    import torch
+
+    from torchtitan.config import load_config
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    flags = ["--experimental.custom_import", "tests.unit.third_family", "--model.name", "toy_decoder",
+             "--model.flavor", "wide", "--training.seq_len", "64", "--training.mixed_precision_param", "float32"]
+    code, out, err = run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", *flags)
+    assert code == 0, err
+    assert "toy_decoder/wide" in out
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *flags])
+    shape = planner.model_shape(cfg)
+    args = get_train_spec("toy_decoder").flavors["wide"].finalize(2048, 64)
+    with torch.device("meta"):
+        model = get_train_spec("toy_decoder").model_cls(args)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert (shape.ffn_dim, shape.kv_dim, shape.qk_norm, shape.output_params) == (8 * 96, 2 * 16, True, 0)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import transformers
 
-from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, qwen3_flavors
+from torchtitan.models.decoder import Decoder
+from torchtitan.models.qwen3 import Qwen3StateDictAdapter, qwen3_flavors
 from torchtitan.protocols import count_params
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -21,13 +22,13 @@ def test_published_sizes_build_on_meta_with_published_parameter_counts(flavor, e
     assert args.vocab_size == 151936  # the flavor fixes the vocab, not the tokenizer
     assert args.tie_embeddings == (flavor in ("0.6B", "1.7B", "4B"))
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = Decoder(args)
     assert abs(count_params(model) - expected) / expected < 0.01
 
 
 def test_head_dim_is_independent_of_dim_over_heads():
     with torch.device("meta"):
-        model = Qwen3Model(qwen3_flavors["0.6B"].finalize(2048, 64))
+        model = Decoder(qwen3_flavors["0.6B"].finalize(2048, 64))
     attention = model.layers["0"].attention
     # 16 heads of 128 make a 2048-wide attention inside a 1024-wide model.
     assert attention.wq.weight.shape == (2048, 1024)
@@ -38,14 +39,14 @@ def test_head_dim_is_independent_of_dim_over_heads():
 def _debug(seed=0, vocab=257, seq_len=32, **overrides):
     args = dataclasses.replace(qwen3_flavors["debugmodel"], **overrides).finalize(vocab, seq_len)
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = Decoder(args)
     model.to_empty(device="cpu")
     model.init_weights(seed)
     return model
 
 
 def test_registered_and_debug_flavor_takes_the_tokenizer_vocab():
-    assert get_train_spec("qwen3").model_cls is Qwen3Model
+    assert get_train_spec("qwen3").model_cls is Decoder
     assert _debug(vocab=300).output.weight.shape == (300, 256)
 
 
@@ -166,7 +167,7 @@ def test_from_hf_names_unknown_weights_and_a_disagreeing_tied_head():
 def test_flops_per_token_counts_matmuls_and_attention():
     args = qwen3_flavors["8B"].finalize(2048, 4096)
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = Decoder(args)
     non_embedding = count_params(model, exclude_embedding=True)
     attention = 12 * 36 * 32 * 128 * 4096
     assert args.flops_per_token(non_embedding, 4096) == 6 * non_embedding + attention

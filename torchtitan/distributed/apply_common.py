@@ -1,7 +1,8 @@
-"""The model-independent part of parallelizing: CP, then AC, then compile, then FSDP/HSDP or DDP.
+"""Parallelizing a model, always in the order TP -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
-A family's parallelize function applies its own tensor-parallel plan and then calls this, which keeps
-the order TP -> CP -> AC -> compile -> FSDP the same for every model.
+``parallelize_decoder`` does it all for models built on the shared decoder (models/decoder.py). A
+model of another shape applies its own tensor-parallel plan and then calls
+``apply_ac_compile_and_data_parallel``, the model-independent rest.
 """
 
 from torch import nn
@@ -12,6 +13,18 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_context_parallel
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
+
+
+def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    """The TrainSpec.parallelize_fn of every shared-decoder family."""
+    parallelism = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.submesh("tp")
+        apply_decoder_tp(model, tp_mesh, loss_parallel=not parallelism.disable_loss_parallel)
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
+    return apply_ac_compile_and_data_parallel(model, parallel_dims, job_config)
 
 
 def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: ParallelDims,

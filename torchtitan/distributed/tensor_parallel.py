@@ -16,11 +16,20 @@ from torch.distributed.tensor.parallel import (
 )
 
 
+# QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
+# as sharded on the heads dimension (2 of batch, seq, heads, head_dim) makes the weight a replicated
+# DTensor, so its gradient, a partial sum over each rank's heads, is all-reduced over the TP ranks. A plain
+# weight would keep a different partial gradient on every rank (and, being the only non-DTensor
+# parameter, make grad-norm clipping fail on the mix).
+_QK_NORM_PLAN = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                 for name in ("attention.q_norm", "attention.k_norm")}
+
+
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
                      extra_block_plan: dict[str, ParallelStyle] | None = None) -> None:
     """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
     (tok_embeddings, layers.N.{attention_norm, attention.wq/wk/wv/wo, ffn_norm, feed_forward.w1/w2/w3},
-    norm, output); ``extra_block_plan`` adds a family's own modules.
+    norm, output), with QK-norm where the blocks have it; ``extra_block_plan`` adds a family's own modules.
 
     Between blocks activations are sharded on the sequence dimension; each block gathers them for
     the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
@@ -53,6 +62,7 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel(),
+            **(_QK_NORM_PLAN if getattr(block.attention, "q_norm", None) is not None else {}),
             **(extra_block_plan or {}),
         }
         parallelize_module(block, tp_mesh, plan)

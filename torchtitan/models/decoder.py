@@ -1,30 +1,27 @@
-"""The decoder-only transformer the model families share; each family supplies its RoPE and options.
+"""The decoder-only transformer the model families share, built from their DecoderArgs.
 
 embedding → n pre-norm blocks (grouped-query attention, SwiGLU feed-forward) → RMSNorm → output.
-Only the math lives here; parallelism is applied from the outside (each family's parallelize.py).
+Only the math lives here; parallelism is applied from the outside (distributed/parallelize.py).
 """
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import causal_attention
+from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.rope import RopeConvention, apply_rope, rope_table
 from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
-
-# (x of shape (batch, seq, heads, head_dim), RoPE table) -> rotated x
-RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE on q and k, optionally RMS-normalised per head first (QK-norm)."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, apply_rope: RopeFn,
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_convention: RopeConvention,
                  qk_norm_eps: float | None = None):
         super().__init__()
         self.head_dim = head_dim
-        self.apply_rope = apply_rope
+        self.rope_convention = rope_convention
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
@@ -47,7 +44,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.apply_rope(q, rope), self.apply_rope(k, rope)
+        q, k = apply_rope(q, rope, self.rope_convention), apply_rope(k, rope, self.rope_convention)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -83,26 +80,30 @@ class TransformerBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding, blocks, norm and output; tok_embeddings, norm and output may be None on pipeline stages.
+    """Embedding, blocks, norm and output; tok_embeddings, norm and output may be None on pipeline stages."""
 
-    ``args`` needs dim, n_layers, norm_eps, vocab_size and tie_embeddings; ``rope_table(args, device)``
-    gives the (max_seq_len, head_dim/2, 2) cos/sin table and ``make_block(layer_id)`` one block.
-    """
-
-    def __init__(self, args, rope_table: Callable, make_block: Callable[[int], TransformerBlock]):
+    def __init__(self, args: DecoderArgs):
         super().__init__()
         if args.vocab_size is None:
             raise ValueError(f"{type(args).__name__}.vocab_size is None; call args.finalize() before building "
                              "the model")
         self.args = args
-        self.rope_table = rope_table
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keeps parameter names ("layers.7.…") stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): make_block(i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self._block(i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("rope", rope_table(args), persistent=False)
+        self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def _block(self, layer_id: int) -> TransformerBlock:
+        a = self.args
+        attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, a.rope_convention,
+                              qk_norm_eps=a.norm_eps if a.qk_norm else None)
+        return TransformerBlock(layer_id, a.dim, a.norm_eps, attention, FeedForward(a.dim, a.ffn_hidden_dim))
+
+    def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
+        return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device)
 
     def tie_weights(self) -> None:
         """Make the output projection share the embedding table, when the flavor ties them.
@@ -122,7 +123,7 @@ class Decoder(nn.Module):
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise from ``seed``; identical on any parallel layout (see seeded_init)."""
-        self.rope = self.rope_table(self.args, buffer_device or self.rope.device)
+        self.rope = self._rope_table(buffer_device or self.rope.device)
         self.tie_weights()
         for name, param in self.named_parameters():
             name = canonical_name(name)

@@ -1,7 +1,8 @@
 """Decoder weights to and from Hugging Face transformers' *ForCausalLM naming, shared by the families.
 
-A family adds its own per-layer names and, where its tensors are laid out differently from the
-Hugging Face ones, a conversion per tensor.
+A family adds its own per-layer names, its config.json identity and extra keys. Hugging Face's Llama
+and Qwen3 rotate the two halves of each head in RoPE; for a family whose RoPE rotates adjacent pairs
+(args.rope_convention = "pairs") the q and k projection rows are permuted between the two layouts.
 """
 
 import re
@@ -30,10 +31,23 @@ _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    rows, dim = w.shape
+    return w.view(heads, rows // heads // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
+
+
+def _halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    rows, dim = w.shape
+    return w.view(heads, 2, rows // heads // 2, dim).transpose(1, 2).reshape(rows, dim)
+
+
 class DecoderStateDictAdapter:
-    """Renames every tensor; subclasses set ``family`` and ``extra_layer_names`` and may convert tensors."""
+    """Renames every tensor; subclasses set ``family``, ``hf_architecture``, ``hf_model_type`` and
+    ``extra_layer_names`` and may add config keys (``extra_hf_config``) or convert tensors."""
 
     family: ClassVar[str] = "decoder"
+    hf_architecture: ClassVar[str] = ""
+    hf_model_type: ClassVar[str] = ""
     extra_layer_names: ClassVar[dict[str, str]] = {}
 
     def __init__(self, args):
@@ -42,13 +56,54 @@ class DecoderStateDictAdapter:
         self._layer_from_hf = {hf: ours for ours, hf in self._layer_to_hf.items()}
         self._top_from_hf = {hf: ours for ours, hf in DECODER_TOP_NAMES.items()}
 
+    def _rope_heads(self, name: str) -> int | None:
+        """Heads of a q or k projection whose rows need permuting between RoPE layouts, else None."""
+        if self.args.rope_convention != "pairs":
+            return None
+        if name.endswith("attention.wq.weight"):
+            return self.args.n_heads
+        if name.endswith("attention.wk.weight"):
+            return self.args.kv_heads
+        return None
+
     def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Our tensor ``name`` in the Hugging Face layout (the same by default)."""
-        return tensor
+        """Our tensor ``name`` in the Hugging Face layout."""
+        heads = self._rope_heads(name)
+        return tensor if heads is None else _pairs_to_halves(tensor, heads)
 
     def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The Hugging Face tensor for our ``name`` in our layout (the same by default)."""
-        return tensor
+        """The Hugging Face tensor for our ``name`` in our layout."""
+        heads = self._rope_heads(name)
+        return tensor if heads is None else _halves_to_pairs(tensor, heads)
+
+    def hf_config(self, tokenizer_bos: int, tokenizer_eos: int, dtype: str) -> dict:
+        """config.json for transformers' AutoConfig."""
+        a = self.args
+        return {
+            "architectures": [self.hf_architecture],
+            "model_type": self.hf_model_type,
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "max_position_embeddings": a.max_seq_len,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": a.tie_embeddings,
+            "bos_token_id": tokenizer_bos,
+            "eos_token_id": tokenizer_eos,
+            "torch_dtype": dtype,
+            **self.extra_hf_config(),
+        }
+
+    def extra_hf_config(self) -> dict:
+        """The family's own config.json keys."""
+        return {}
 
     def _hf_name(self, name: str) -> str:
         if (match := _OURS.match(name)) and match.group(2) in self._layer_to_hf:

@@ -1,10 +1,16 @@
-"""Llama 3 hyper-parameters and the named flavors."""
+"""Llama 3 hyper-parameters and the named flavors.
 
-import dataclasses
+What is Llama's own: the feed-forward width rule (8/3 dim, scaled, rounded up to a multiple) and the
+Llama 3.1 RoPE frequency scaling; RoPE rotates adjacent channel pairs.
+"""
+
 import math
 from dataclasses import dataclass
 
-from torchtitan.protocols.model import BaseModelArgs
+import torch
+
+from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.rope import rope_frequencies
 
 
 @dataclass
@@ -17,28 +23,29 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+def scaled_rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Rotation frequency of each of the head_dim/2 channel pairs, with optional Llama 3.1 scaling."""
+    freqs = rope_frequencies(head_dim, theta)
+    if scaling is None:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    # Between the two wavelengths, blend the scaled and unscaled frequency.
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
 @dataclass
-class Llama3ModelArgs(BaseModelArgs):
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    vocab_size: int | None = None
+class Llama3ModelArgs(DecoderArgs):
+    rope_theta: float = 500000.0
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:
@@ -47,34 +54,13 @@ class Llama3ModelArgs(BaseModelArgs):
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
-    def finalize(self, tokenizer_vocab_size: int, seq_len: int) -> "Llama3ModelArgs":
-        return dataclasses.replace(
-            self, vocab_size=self.vocab_size or tokenizer_vocab_size, max_seq_len=seq_len
-        )
+    def rope_frequencies(self) -> torch.Tensor:
+        return scaled_rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
     def check(self) -> list[tuple[str, str]]:
-        problems = []
-        if self.dim % self.n_heads:
-            problems.append(("dim", f"{self.dim} is not divisible by n_heads={self.n_heads}"))
-        elif self.head_dim % 2:
-            problems.append(("dim", f"head_dim {self.head_dim} must be even for RoPE"))
-        if self.n_heads % self.kv_heads:
-            problems.append(("n_kv_heads", f"{self.kv_heads} does not divide n_heads={self.n_heads}"))
-        return problems
-
-    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
-        # Each rank holds whole attention heads (query and key/value alike).
-        return [
-            (name, f"{value} is not divisible by the tensor-parallel degree {tp}")
-            for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads))
-            if value % tp
-        ]
-
-    def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        # 6 FLOPs per weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
-        # attention scores and weighted values (forward + backward, causal mask not discounted).
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return 6.0 * num_params_without_embedding + attention
+        if self.n_heads > 0 and self.dim % self.n_heads:  # head_dim is derived from dim
+            return [("dim", f"{self.dim} is not divisible by n_heads={self.n_heads}")]
+        return super().check()
 
 
 def _research(dim: int, n_layers: int, n_heads: int, n_kv_heads: int) -> Llama3ModelArgs:

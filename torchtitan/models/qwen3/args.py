@@ -1,68 +1,34 @@
 """Qwen3 (dense) hyper-parameters and the named flavors.
 
-Unlike Llama, the attention width is not tied to the model width: every flavor states its head_dim,
+What is Qwen3's own: QK-norm, RoPE over the two halves of each head (the layout of the released
+checkpoints), and an attention width not tied to the model width: every flavor states its head_dim,
 so n_heads * head_dim may differ from dim (Qwen3-0.6B: 16 x 128 = 2048 against dim 1024).
 """
 
-import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.rope import RopeConvention
 
 
 @dataclass
-class Qwen3ModelArgs(BaseModelArgs):
+class Qwen3ModelArgs(DecoderArgs):
     dim: int = 1024
     n_layers: int = 28
     n_heads: int = 16
-    n_kv_heads: int = 8
+    n_kv_heads: int | None = 8
     head_dim: int = 128
     hidden_dim: int = 3072
     """Width of the SwiGLU feed-forward (HF: intermediate_size)."""
-    vocab_size: int | None = None
-    """None: taken from the tokenizer by finalize()."""
     norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_convention: RopeConvention = "halves"
+    qk_norm: bool = True
     max_seq_len: int = 4096
-    tie_embeddings: bool = False
 
-    def finalize(self, tokenizer_vocab_size: int, seq_len: int) -> "Qwen3ModelArgs":
-        return dataclasses.replace(
-            self, vocab_size=self.vocab_size or tokenizer_vocab_size, max_seq_len=seq_len
-        )
-
-    def check(self) -> list[tuple[str, str]]:
-        problems = [
-            (name, f"{value} must be positive")
-            for name, value in (("dim", self.dim), ("n_layers", self.n_layers), ("n_heads", self.n_heads),
-                                ("n_kv_heads", self.n_kv_heads), ("head_dim", self.head_dim),
-                                ("hidden_dim", self.hidden_dim))
-            if value <= 0
-        ]
-        if problems:
-            return problems
-        if self.head_dim % 2:
-            problems.append(("head_dim", f"{self.head_dim} must be even for RoPE (it rotates channel pairs)"))
-        if self.n_heads % self.n_kv_heads:
-            problems.append(("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}"))
-        return problems
-
-    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
-        # Each rank holds whole query heads and whole key/value heads; QK-norm then works per local head.
-        return [
-            (name, f"{value} is not divisible by the tensor-parallel degree {tp}")
-            for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads))
-            if value % tp
-        ]
-
-    def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        # 6 FLOPs per weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
-        # attention scores and weighted values (forward + backward, causal mask not discounted).
-        # A tied output projection is still a matmul per token, but count_params drops it with the
-        # embedding table it shares, so it is added back here.
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        tied_output = self.vocab_size * self.dim if self.tie_embeddings and self.vocab_size else 0
-        return 6.0 * (num_params_without_embedding + tied_output) + attention
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.hidden_dim
 
 
 QWEN3_VOCAB = 151936

@@ -1,0 +1,82 @@
+"""DecoderArgs: the hyper-parameters every decoder family has, under one set of names.
+
+Code outside ``models/`` (validation, the planner, FLOP and MFU counting, parallelize, the pipeline
+split, the HF adapters) reads a model's shape only through these fields and methods, so a new family
+that subclasses DecoderArgs works with all of it. A family adds its own fields (Llama's FFN sizing
+rule, Qwen3's explicit head_dim) and overrides the properties they feed.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.models.rope import RopeConvention, rope_frequencies
+from torchtitan.protocols.model import BaseModelArgs
+
+
+@dataclass
+class DecoderArgs(BaseModelArgs):
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    """Key/value heads of grouped-query attention; None: n_heads."""
+    vocab_size: int | None = None
+    """None: the tokenizer's, set by finalize()."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_convention: RopeConvention = "pairs"
+    """Which channels RoPE rotates together (see models/rope.py)."""
+    qk_norm: bool = False
+    """RMS-normalise q and k per head before RoPE."""
+    max_seq_len: int = 2048
+    """Set to training.seq_len by finalize()."""
+    tie_embeddings: bool = False
+    """The output projection shares the embedding table."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Width of the SwiGLU feed-forward."""
+        raise NotImplementedError(f"{type(self).__name__} must define ffn_hidden_dim")
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """The head_dim/2 RoPE frequencies (a family overrides this to rescale them)."""
+        return rope_frequencies(self.head_dim, self.rope_theta)
+
+    def finalize(self, tokenizer_vocab_size: int, seq_len: int):
+        return dataclasses.replace(self, vocab_size=self.vocab_size or tokenizer_vocab_size, max_seq_len=seq_len)
+
+    def check(self) -> list[tuple[str, str]]:
+        sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
+                 "head_dim": self.head_dim, "ffn_hidden_dim": self.ffn_hidden_dim}
+        problems = [(name, f"{value} must be positive") for name, value in sizes.items() if value <= 0]
+        if problems:
+            return problems
+        if self.head_dim % 2:
+            problems.append(("head_dim", f"{self.head_dim} must be even for RoPE (it rotates channel pairs)"))
+        if self.n_heads % self.kv_heads:
+            problems.append(("n_kv_heads", f"{self.kv_heads} does not divide n_heads={self.n_heads}"))
+        return problems
+
+    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
+        # Each rank holds whole query heads and whole key/value heads (QK-norm then works per local head).
+        return [(name, f"{value} is not divisible by the tensor-parallel degree {tp}")
+                for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)) if value % tp]
+
+    def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
+        # 6 FLOPs per weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
+        # attention scores and weighted values (forward + backward, causal mask not discounted).
+        # A tied output projection is still a matmul per token, but count_params drops it with the
+        # embedding table it shares, so it is added back here.
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        tied_output = self.vocab_size * self.dim if self.tie_embeddings and self.vocab_size else 0
+        return 6.0 * (num_params_without_embedding + tied_output) + attention

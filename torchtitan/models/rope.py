@@ -1,0 +1,65 @@
+"""Rotary position embeddings for every decoder family: one cos/sin table, two channel conventions.
+
+- ``"pairs"``: adjacent channels (2i, 2i+1) rotate together (Llama's original layout; DeepSeek's
+  interleaved form).
+- ``"halves"``: channel i rotates with channel i + head_dim/2 (Hugging Face's rotate_half; the layout
+  of Qwen3's released checkpoints, so their projections load unpermuted).
+
+A family changes the frequencies (Llama 3.1 scaling, YaRN) by handing ``rope_table`` other ones; per
+-position tables (per-document positions) go through ``apply_rope``'s ``positions``.
+"""
+
+from typing import Literal
+
+import torch
+
+RopeConvention = Literal["pairs", "halves"]
+
+
+def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """The head_dim/2 rotation frequencies theta^(-2i/head_dim), in float64."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin of every (position, frequency): shape (max_seq_len, len(freqs), 2), float32."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs.double())
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float().to(device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, convention: RopeConvention) -> torch.Tensor:
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    if convention == "pairs":
+        pairs = xf.unflatten(-1, (-1, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
+    first, second = xf.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).type_as(x)
+
+
+class _Rotate(torch.autograd.Function):
+    """The gradient of a rotation is the inverse rotation. Stating that directly lets inductor fuse the
+    backward like the forward; differentiating the stack instead costs twice the time (compiled on CPU,
+    bf16 8x2048x16x16: 4.4 vs 10 ms per call)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, convention: RopeConvention):
+        ctx.save_for_backward(cos, sin)
+        ctx.convention = convention
+        return _rotate(x, cos, sin, convention)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin, ctx.convention), None, None, None
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, convention: RopeConvention = "pairs",
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x (batch, seq, heads, head_dim) by the table ``rope`` at positions 0..seq-1, or at
+    ``positions`` (batch, seq) when given (e.g. restarting at each packed document)."""
+    if positions is None:
+        angles = rope[: x.shape[1], None]  # (seq, 1, head_dim/2, 2), broadcast over batch and heads
+    else:
+        angles = rope[positions][:, :, None]  # (batch, seq, 1, head_dim/2, 2)
+    return _Rotate.apply(x, angles[..., 0], angles[..., 1], convention)
