@@ -9,7 +9,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,9 +21,9 @@ from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.provenance import save_provenance
 from torchtitan.components.validate import Validator
-from torchtitan.config import ConfigError, JobConfig, load_config
-from torchtitan.config.loading import config_to_dict, config_to_toml, format_help
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config import ConfigError, JobConfig
+from torchtitan.config.loading import config_to_dict, format_help, save_resolved_config
+from torchtitan.config.validation import load_and_validate
 from torchtitan.data import DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
@@ -310,23 +309,6 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
             f"non-finite {' and '.join(bad)} at step {step} (loss {loss}, grad_norm {grad_norm}); "
             f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
         )
-
-
-def save_resolved_config(cfg: JobConfig) -> None:
-    text = config_to_toml(cfg)
-    if cfg.job.print_config:
-        print(text)
-    path = Path(cfg.job.dump_folder) / cfg.job.save_config_file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def load_and_validate(argv: list[str]) -> JobConfig:
-    """The validated config, or ConfigError. Shared with ``python -m torchtitan.config``."""
-    cfg, sources = load_config(argv)
-    import_custom_modules(cfg, sources)
-    validate_config(cfg, sources, device_lib.world_size())
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan.log import init_logger
-from torchtitan.train import Trainer, load_and_validate
+from torchtitan.config.validation import load_and_validate
+from torchtitan.train import Trainer
 
 
 def main(argv: list[str]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_command, run_module
-from torchtitan.components.checkpoint import SLOW_SAVE_ENV, complete_steps
+from torchtitan.components.checkpoint import complete_steps
 
 # The debug model at seq 256 in fp32: slow enough (~0.3 s/step) to stop a run between checkpoints.
 FLAGS = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "20",
@@ -21,11 +21,13 @@ FLAGS = ["--training.mixed_precision_param", "float32", "--training.seq_len", "2
 CONFIG = "train_configs/debug_model.toml"
 
 
-def launch(dump: Path, nproc: int, extra: list[str], env: dict | None = None) -> subprocess.Popen:
+def launch(dump: Path, nproc: int, extra: list[str], env: dict | None = None,
+           launcher: tuple[str, ...] = ("./run_train.sh",)) -> subprocess.Popen:
     """Start a run in its own process group (so it can be killed whole, torchrun and workers alike)."""
     full_env = {**os.environ, "PYTHON": sys.executable, "NGPU": str(nproc), "CONFIG_FILE": CONFIG, **(env or {})}
     full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env['PATH']}"
-    cmd = ["./run_train.sh", *FLAGS, *extra, f"--job.dump_folder={dump}"]
+    config = () if launcher[0] == "./run_train.sh" else ("--job.config_file", CONFIG)
+    cmd = [*launcher, *config, *FLAGS, *extra, f"--job.dump_folder={dump}"]
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -106,7 +108,8 @@ def test_killed_and_relaunched_run_reproduces_the_straight_run_bitwise(tmp_path,
 @pytest.mark.slow
 def test_kill_during_an_async_save_resumes_from_the_previous_complete_checkpoint(tmp_path, straight):
     extra = ["--training.local_batch_size", "8", "--checkpoint.async_mode", "async"]
-    proc = launch(tmp_path, 1, extra, env={SLOW_SAVE_ENV: "3"})
+    # Checkpoint writes that sleep 3 s first leave a window to kill the run in.
+    proc = launch(tmp_path, 1, extra, launcher=(sys.executable, "tests/integration/slow_save_trainer.py"))
     folder = tmp_path / "checkpoint"
     kill_when(proc, lambda: (folder / "step-10.partial").is_dir() and 5 in complete_steps(folder))
     assert complete_steps(folder) == [5]  # the half-written step-10 never counts as a checkpoint

@@ -51,8 +51,6 @@ PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
-# A test-only hook: seconds each background save sleeps before writing, to make a window to kill it in.
-SLOW_SAVE_ENV = "TORCHTITAN_TEST_SLOW_SAVE_SECONDS"
 # A single process needs no process group to save or load; DCP warns about that every time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -350,8 +348,7 @@ class CheckpointManager:
             logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.2f}s")
         else:
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group,
-                                    storage_writer=_slow_writer_for_tests(partial), async_stager=self.stager,
-                                    no_dist=self.no_dist)
+                                    async_stager=self.stager, no_dist=self.no_dist)
             self.in_flight = (step, future, partial)
             logger.info(f"checkpoint step-{step} staged in {time.perf_counter() - start:.2f}s; writing in the background")
         if step == last_step and self.cfg.last_save_model_only:
@@ -488,18 +485,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _slow_writer_for_tests(path: Path):
-    """A writer that sleeps before writing when SLOW_SAVE_ENV is set, so a test can kill a run mid-save."""
-    seconds = float(os.environ.get(SLOW_SAVE_ENV, "0"))
-    if seconds <= 0:
-        return None
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class SlowWriter(FileSystemWriter):
-        def write_data(self, plan, planner):
-            time.sleep(seconds)
-            return super().write_data(plan, planner)
-
-    return SlowWriter(path)

@@ -289,3 +289,14 @@ def format_help(prog: str = "python -m torchtitan.train") -> str:
     for f in dataclasses.fields(JobConfig):
         walk(_hints(JobConfig)[f.name], f.name + ".", f.metadata["doc"])
     return "\n".join(lines)
+
+
+def save_resolved_config(cfg: JobConfig) -> Path:
+    """Write the resolved config to {job.dump_folder}/{job.save_config_file} (and print it with job.print_config)."""
+    text = config_to_toml(cfg)
+    if cfg.job.print_config:
+        print(text)
+    path = Path(cfg.job.dump_folder) / cfg.job.save_config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -5,8 +5,9 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.loading import ConfigError, ConfigSources
+from torchtitan.config.loading import ConfigError, ConfigSources, load_config
 from torchtitan.distributed.device import device_type
+from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -335,3 +336,12 @@ def _check_unsupported(c: _Checker) -> None:
         c.require("activation_checkpoint.selective_ac_option",
                   option == "op" or (option.isdigit() and int(option) >= 1),
                   "is invalid; it must be a positive integer (checkpoint every N-th block) or 'op'")
+
+
+def load_and_validate(argv: list[str]) -> JobConfig:
+    """The config the command line names, custom modules imported and validated for this launch's world
+    size (WORLD_SIZE, default 1); ConfigError otherwise. Shared by the trainer and ``python -m torchtitan.config``."""
+    cfg, sources = load_config(argv)
+    import_custom_modules(cfg, sources)
+    validate_config(cfg, sources, launched_world_size())
+    return cfg
