@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,21 @@ def test_no_other_dtype_name_table_exists():
                  for path in sorted((root / folder).rglob("*.py")) if path != Path(precision.__file__)
                  for number, line in enumerate(path.read_text().splitlines(), 1) if table.search(line)]
     assert offenders == []
+
+
+
+PRESETS = sorted(path.name for path in (Path(__file__).parents[2] / "train_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fast", [True, False])
+def test_planner_and_trainer_pick_the_same_dtype_for_every_shipped_config(fast_bf16, preset, fast):
+    from torchtitan.planner import plan
+
+    fast_bf16(fast)
+    cfg, _ = load_config(["--job.config_file", f"train_configs/{preset}"])
+    for device, device_type in (("CPU", "cpu"), ("H100", "cuda")):
+        trainer_dtype, _ = precision.resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
+        world = cfg.parallelism.data_parallel_replicate_degree * cfg.parallelism.tensor_parallel_degree * \
+            cfg.parallelism.pipeline_parallel_degree * cfg.parallelism.context_parallel_degree
+        assert plan(cfg, device, world_size=world, efficiency=0.5).compute_dtype == trainer_dtype, (preset, device)
