@@ -247,3 +247,19 @@ def test_malformed_configs_exit_2_from_both_entry_points(tmp_path, entry):
             result = run_module("torchtitan.train", *argv)
         _assert_one_line_error(result, expected, name)
         assert not (dump / "metrics.jsonl").exists()
+
+
+def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
+    from torchtitan.components.checkpoint import config_problems
+    from torchtitan.config.job_config import Checkpoint
+
+    bad = Checkpoint(interval=0, keep_latest_k=-1, exclude_from_loading=["optimiser"], initial_load_path="/no/such")
+    assert [field for field, _ in config_problems(bad, 1, "llama3", True)] == [
+        "interval", "keep_latest_k", "exclude_from_loading", "initial_load_path"]
+    assert config_problems(Checkpoint(), 1, "llama3", True) == []
+    seed = Checkpoint(enable=True, create_seed_checkpoint=True, last_save_in_hf=True)
+    assert config_problems(seed, 2, "toy", False) == [
+        ("create_seed_checkpoint", "must run as a single process (the world size is 2); later runs load the seed "
+                                   "under any layout"),
+        ("last_save_in_hf", "is not supported by model.name = 'toy': its TrainSpec has no state_dict_adapter "
+                            "(no Hugging Face names)")]

@@ -55,6 +55,40 @@ SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+def config_problems(cfg: CheckpointConfig, world_size: int, model_name: str,
+                    has_hf_adapter: bool) -> list[tuple[str, str]]:
+    """Problems with the [checkpoint] section as (field, reason) pairs, in the order they are checked."""
+    problems = []
+
+    def require(field: str, ok: bool, reason: str) -> None:
+        if not ok:
+            problems.append((field, reason))
+
+    require("interval", cfg.interval > 0, "is invalid; it must be > 0")
+    require("keep_latest_k", cfg.keep_latest_k >= 0, "is invalid; it must be >= 0 (0 keeps all)")
+    unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
+    require("exclude_from_loading", not unknown, f"names unknown state {unknown}; valid: {', '.join(STATE_KEYS)}")
+    if cfg.initial_load_path is not None:
+        require("initial_load_path", Path(cfg.initial_load_path).is_dir(), "is not a folder")
+        if cfg.initial_load_in_hf:
+            require("initial_load_path", any(Path(cfg.initial_load_path).glob("*.safetensors")),
+                    "holds no *.safetensors files (checkpoint.initial_load_in_hf is set)")
+    if cfg.create_seed_checkpoint:
+        require("create_seed_checkpoint", cfg.enable,
+                "needs checkpoint.enable = true (the seed is written as checkpoint step-0)")
+        require("create_seed_checkpoint", world_size == 1, f"must run as a single process (the world size is "
+                f"{world_size}); later runs load the seed under any layout")
+        require("create_seed_checkpoint", not cfg.load_only,
+                "writes a checkpoint, but checkpoint.load_only = true forbids saving")
+    if cfg.last_save_in_hf:
+        require("last_save_in_hf", cfg.enable, "needs checkpoint.enable = true")
+        require("last_save_in_hf", cfg.last_save_model_only, "needs checkpoint.last_save_model_only = true (the "
+                "Hugging Face folder is the last step's model-only export)")
+        require("last_save_in_hf", has_hf_adapter, f"is not supported by model.name = {model_name!r}: its "
+                "TrainSpec has no state_dict_adapter (no Hugging Face names)")
+    return problems
+
+
 class CheckpointError(Exception):
     """A checkpoint cannot be read or written; the message names the path."""
 

@@ -30,6 +30,11 @@ class _Checker:
         if not ok:
             self.fail(key, reason)
 
+    def report(self, section: str, problems: list[tuple[str, str]]) -> None:
+        """Fail on the first (field, reason) a subsystem found in its own config section."""
+        for field, reason in problems[:1]:
+            self.fail(f"{section}.{field}", reason)
+
     def positive(self, *keys: str) -> None:
         for key in keys:
             self.require(key, self.value(key) > 0, "is invalid; it must be > 0")
@@ -294,35 +299,11 @@ def _check_data(c: _Checker) -> None:
 
 
 def _check_checkpoint(c: _Checker, world_size: int) -> None:
-    from torchtitan.components.checkpoint import STATE_KEYS
+    from torchtitan.components.checkpoint import config_problems
+    from torchtitan.protocols.train_spec import get_train_spec
 
-    ck = c.cfg.checkpoint
-    c.positive("checkpoint.interval")
-    c.require("checkpoint.keep_latest_k", ck.keep_latest_k >= 0, "is invalid; it must be >= 0 (0 keeps all)")
-    unknown = [k for k in ck.exclude_from_loading if k not in STATE_KEYS]
-    c.require("checkpoint.exclude_from_loading", not unknown,
-              f"names unknown state {unknown}; valid: {', '.join(STATE_KEYS)}")
-    if ck.initial_load_path is not None:
-        c.require("checkpoint.initial_load_path", Path(ck.initial_load_path).is_dir(), "is not a folder")
-        if ck.initial_load_in_hf:
-            c.require("checkpoint.initial_load_path", any(Path(ck.initial_load_path).glob("*.safetensors")),
-                      "holds no *.safetensors files (checkpoint.initial_load_in_hf is set)")
-    if ck.create_seed_checkpoint:
-        key = "checkpoint.create_seed_checkpoint"
-        c.require(key, ck.enable, "needs checkpoint.enable = true (the seed is written as checkpoint step-0)")
-        c.require(key, world_size == 1, f"must run as a single process (the world size is {world_size}); "
-                  "later runs load the seed under any layout")
-        c.require(key, not ck.load_only, "writes a checkpoint, but checkpoint.load_only = true forbids saving")
-    if ck.last_save_in_hf:
-        from torchtitan.protocols.train_spec import get_train_spec
-
-        key = "checkpoint.last_save_in_hf"
-        c.require(key, ck.enable, "needs checkpoint.enable = true")
-        c.require(key, ck.last_save_model_only, "needs checkpoint.last_save_model_only = true (the Hugging Face "
-                  "folder is the last step's model-only export)")
-        c.require(key, get_train_spec(c.cfg.model.name).state_dict_adapter is not None,
-                  f"is not supported by model.name = {c.cfg.model.name!r}: its TrainSpec has no state_dict_adapter "
-                  "(no Hugging Face names)")
+    has_adapter = get_train_spec(c.cfg.model.name).state_dict_adapter is not None
+    c.report("checkpoint", config_problems(c.cfg.checkpoint, world_size, c.cfg.model.name, has_adapter))
 
 
 def _check_unsupported(c: _Checker) -> None:
