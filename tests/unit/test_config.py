@@ -263,3 +263,20 @@ def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
                                    "under any layout"),
         ("last_save_in_hf", "is not supported by model.name = 'toy': its TrainSpec has no state_dict_adapter "
                             "(no Hugging Face names)")]
+
+
+def test_data_validation_and_converter_sections_are_checked_by_their_components(tmp_path):
+    from torchtitan.components.validate import config_problems as validation_problems
+    from torchtitan.config.job_config import Validation
+    from torchtitan.data.sources import source_problems
+    from torchtitan.protocols.model_converter import config_problems as converter_problems
+
+    assert source_problems("pydocs", None, "train") == []
+    assert source_problems("fineweb-edu", None, "validation")[0][0] == "dataset"  # no validation split
+    assert source_problems("c5", None, "train")[0][1].startswith("is not a registered dataset; valid: ")
+    assert source_problems("c5", str(tmp_path), "train") == []  # local files replace the registered name
+    assert source_problems("pydocs", str(tmp_path / "none"), "train") == [("dataset_path", "does not exist")]
+    assert validation_problems(Validation(enable=False, freq=0), 64) == []
+    assert [f for f, _ in validation_problems(Validation(enable=True, freq=0, steps=0, seq_len=128), 64)] == [
+        "freq", "steps", "seq_len"]
+    assert converter_problems(["float8"]) == [] and converter_problems(["fp8"])[0][0] == "converters"

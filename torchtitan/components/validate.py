@@ -26,6 +26,20 @@ from torchtitan.distributed.collectives import sum_over
 BatchLoss = Callable[[list[nn.Module], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def config_problems(cfg: Validation, training_seq_len: int) -> list[tuple[str, str]]:
+    """Problems with the [validation] section's own numbers as (field, reason) pairs (none when it is off)."""
+    if not cfg.enable:
+        return []
+    problems = [(field, "is invalid; it must be > 0") for field in ("freq", "local_batch_size", "seq_len")
+                if getattr(cfg, field) <= 0]
+    if not (cfg.steps == -1 or cfg.steps > 0):
+        problems.append(("steps", "is invalid; it must be -1 (the whole split) or > 0"))
+    if cfg.seq_len > training_seq_len:
+        problems.append(("seq_len", f"is longer than training.seq_len = {training_seq_len}, the longest sequence the "
+                                    f"model is built for; set it <= {training_seq_len}"))
+    return problems
+
+
 class Validator:
     """Computes val_loss and val_perplexity every ``validation.freq`` steps."""
 

@@ -263,39 +263,23 @@ def _check_pipeline(c: _Checker, spec, args) -> None:
 
 
 def _check_converters(c: _Checker) -> None:
-    from torchtitan.protocols.model_converter import registered_model_converters
+    from torchtitan.protocols.model_converter import config_problems
 
-    known = registered_model_converters()
-    unknown = [n for n in c.cfg.model.converters if n not in known]
-    c.require("model.converters", not unknown, f"names unknown converters {unknown}; registered: {', '.join(known)}")
+    c.report("model", config_problems(c.cfg.model.converters))
 
 
 def _check_data(c: _Checker) -> None:
-    from torchtitan.data.sources import HUB_DATASETS, registered_datasets
+    from torchtitan.components.validate import config_problems
+    from torchtitan.data.sources import source_problems
 
-    for section in ("training", "validation"):
+    for section, split in (("training", "train"), ("validation", "validation")):
         s = getattr(c.cfg, section)
         if section == "validation" and not s.enable:
             continue
-        if s.dataset_path is not None:
-            c.require(f"{section}.dataset_path", Path(s.dataset_path).exists(), "does not exist")
-            continue
-        c.require(f"{section}.dataset", s.dataset in registered_datasets(),
-                  f"is not a registered dataset; valid: {', '.join(registered_datasets())} "
-                  f"(or set {section}.dataset_path)")
-        split = "train" if section == "training" else "validation"
-        hub = HUB_DATASETS.get(s.dataset)
-        with_split = ["pydocs"] + [name for name, d in HUB_DATASETS.items() if split in d.splits]
-        c.require(f"{section}.dataset", hub is None or split in hub.splits,
-                  f"has no {split} split; valid: {', '.join(with_split)} (or set {section}.dataset_path)")
-    v = c.cfg.validation
-    if v.enable:
-        c.positive("validation.freq", "validation.local_batch_size", "validation.seq_len")
-        c.require("validation.steps", v.steps == -1 or v.steps > 0,
-                  "is invalid; it must be -1 (the whole split) or > 0")
-        c.require("validation.seq_len", v.seq_len <= c.cfg.training.seq_len,
-                  f"is longer than training.seq_len = {c.cfg.training.seq_len}, the longest sequence the model is "
-                  f"built for; set it <= {c.cfg.training.seq_len}")
+        # A registered dataset can always be swapped for local files.
+        c.report(section, [(field, reason if field == "dataset_path" else f"{reason} (or set {section}.dataset_path)")
+                           for field, reason in source_problems(s.dataset, s.dataset_path, split)])
+    c.report("validation", config_problems(c.cfg.validation, c.cfg.training.seq_len))
 
 
 def _check_checkpoint(c: _Checker, world_size: int) -> None:

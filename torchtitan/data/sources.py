@@ -198,6 +198,19 @@ for _name, _dataset in HUB_DATASETS.items():
     register_dataset(_name, _dataset)
 
 
+def source_problems(dataset: str, dataset_path: str | None, split: str) -> list[tuple[str, str]]:
+    """Problems with a section's data source (its ``dataset`` / ``dataset_path`` fields) as (field, reason)."""
+    if dataset_path is not None:
+        return [] if pathlib.Path(dataset_path).exists() else [("dataset_path", "does not exist")]
+    if dataset not in DATASETS:
+        return [("dataset", f"is not a registered dataset; valid: {', '.join(registered_datasets())}")]
+    hub = HUB_DATASETS.get(dataset)
+    if hub is not None and split not in hub.splits:
+        with_split = ["pydocs"] + [name for name, d in HUB_DATASETS.items() if split in d.splits]
+        return [("dataset", f"has no {split} split; valid: {', '.join(with_split)}")]
+    return []
+
+
 def load_documents(dataset: str, dataset_path: str | None, split: str, text_column: str = "text") -> Iterable[str]:
     """The documents of a split: the local dataset_path if given (it has no splits), else the registered dataset."""
     if dataset_path is not None:

@@ -33,6 +33,14 @@ def registered_model_converters() -> list[str]:
     return CONVERTERS.names()
 
 
+def config_problems(names: list[str]) -> list[tuple[str, str]]:
+    """model.converters naming a converter nobody registered, as a (field, reason) pair."""
+    unknown = [n for n in names if n not in CONVERTERS]
+    if unknown:
+        return [("converters", f"names unknown converters {unknown}; registered: {', '.join(CONVERTERS.names())}")]
+    return []
+
+
 class ModelConverters:
     """The converters named in the config, applied in order."""
 
