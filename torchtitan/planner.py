@@ -233,7 +233,7 @@ def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: 
 def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool, rank: PipelineRank) -> Memory:
     t = cfg.training
     s, c = DTYPES[t.dtype].itemsize, DTYPES[t.mixed_precision_param].itemsize
-    fsdp = layout.fsdp_degree > 1
+    fsdp = layout.fsdp_enabled
     tp = layout.tp
     autocast = uses_autocast(cfg.training, fsdp)
     # Parameters on this device: blocks split by TP (norm weights are small and counted as split

@@ -75,7 +75,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1 or self.cp > 1
+        return self.fsdp_degree > 1
 
     @property
     def dp_replicate_enabled(self) -> bool:

@@ -1,7 +1,7 @@
 """The decoder-only transformer the model families share, built from their DecoderArgs.
 
 embedding → n pre-norm blocks (grouped-query attention, SwiGLU feed-forward) → RMSNorm → output.
-Only the math lives here; parallelism is applied from the outside (distributed/parallelize.py).
+Only the math lives here; parallelism is applied from the outside (distributed/apply_common.py).
 """
 
 import torch

@@ -5,8 +5,8 @@
 - ``"halves"``: channel i rotates with channel i + head_dim/2 (Hugging Face's rotate_half; the layout
   of Qwen3's released checkpoints, so their projections load unpermuted).
 
-A family changes the frequencies (Llama 3.1 scaling, YaRN) by handing ``rope_table`` other ones; per
--position tables (per-document positions) go through ``apply_rope``'s ``positions``.
+A family changes the frequencies (Llama 3.1 scaling, YaRN) by handing ``rope_table`` other ones;
+positions that restart per document go through ``apply_rope``'s ``positions``.
 """
 
 from typing import Literal
