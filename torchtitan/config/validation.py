@@ -6,7 +6,6 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.loading import ConfigError, ConfigSources, load_config
-from torchtitan.distributed.device import device_type
 from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -31,9 +30,10 @@ class _Checker:
             self.fail(key, reason)
 
     def report(self, section: str, problems: list[tuple[str, str]]) -> None:
-        """Fail on the first (field, reason) a subsystem found in its own config section."""
+        """Fail on the first (field, reason) a subsystem found in its own config section; with section ""
+        the fields are full keys (a subsystem whose rules span sections)."""
         for field, reason in problems[:1]:
-            self.fail(f"{section}.{field}", reason)
+            self.fail(f"{section}.{field}" if section else field, reason)
 
     def positive(self, *keys: str) -> None:
         for key in keys:
@@ -117,31 +117,10 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
         c.fail("parallelism.data_parallel_shard_degree", str(e))
-    tp = p.tensor_parallel_degree
-    c.require("parallelism.tensor_parallel_degree", c.cfg.training.seq_len % tp == 0,
-              f"does not divide training.seq_len = {c.cfg.training.seq_len}, which sequence parallelism shards")
-    if p.context_parallel_degree > 1:
-        from torchtitan.distributed.context_parallel import check_cp_seq_len
+    from torchtitan.distributed import context_parallel, tensor_parallel
 
-        try:
-            check_cp_seq_len(c.cfg.training.seq_len, p.context_parallel_degree, tp)
-        except ValueError as e:
-            c.fail("training.seq_len", f"cannot be split for context parallelism: {e}")
-        if c.cfg.validation.enable:
-            # Context parallelism picks each rank's RoPE positions for the training length once.
-            c.require("validation.seq_len", c.cfg.validation.seq_len == c.cfg.training.seq_len,
-                      f"must equal training.seq_len = {c.cfg.training.seq_len} with context parallelism")
-    if tp > 1 and c.cfg.compile.enable and "loss" in c.cfg.compile.components and not p.disable_loss_parallel:
-        c.fail("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
-               "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
-               "leave 'loss' out of compile.components")
-    if p.enable_async_tensor_parallel:
-        # Async TP rewrites compiled graphs to overlap NCCL collectives using symmetric memory.
-        c.require("parallelism.enable_async_tensor_parallel", tp > 1, "needs parallelism.tensor_parallel_degree > 1")
-        c.require("parallelism.enable_async_tensor_parallel", device_type() == "cuda",
-                  f"needs CUDA GPUs (symmetric memory); this machine's device is '{device_type()}'")
-        c.require("parallelism.enable_async_tensor_parallel", c.cfg.compile.enable,
-                  "needs compile.enable = true (it works on compiled graphs)")
+    c.report("", tensor_parallel.config_problems(p, c.cfg.training, c.cfg.compile))
+    c.report("", context_parallel.config_problems(p, c.cfg.training, c.cfg.validation))
     t = c.cfg.training
     if t.global_batch_size != -1:
         per_step = t.local_batch_size * dims.dp
@@ -178,7 +157,10 @@ def _check_model(c: _Checker) -> None:
     c.require("model.flavor", model_vocab >= tokenizer_vocab,
               f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
-        _check_pipeline(c, spec, args)
+        from torchtitan.distributed.pipeline_parallel import config_problems
+
+        c.report("", config_problems(c.cfg.parallelism, c.cfg.training, c.cfg.validation, m,
+                                     spec.pipelining_fn is not None, args))
     if c.cfg.parallelism.context_parallel_degree > 1:
         import torch
 
@@ -188,78 +170,6 @@ def _check_model(c: _Checker) -> None:
         c.require("parallelism.context_parallel_degree", has_attention_fn,
                   f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
                   "(docs/extending.md says what context parallelism needs)")
-
-
-def _check_pipeline(c: _Checker, spec, args) -> None:
-    from torchtitan.distributed import pipeline_parallel as pipe
-
-    p, t = c.cfg.parallelism, c.cfg.training
-    pp, key = p.pipeline_parallel_degree, "parallelism.pipeline_parallel_degree"
-    c.require(key, spec.pipelining_fn is not None, f"is not supported by model.name = {c.cfg.model.name!r} "
-              "(its TrainSpec has no pipelining_fn)")
-    c.require(key, not getattr(args, "tie_embeddings", False),
-              f"cannot split model.flavor = {c.cfg.model.flavor!r}: it ties the embedding and output weights, "
-              "which live on different stages; use an untied flavor")
-    if c.cfg.validation.enable:
-        # The stages exchange activations of the shape the training step set up.
-        for field in ("local_batch_size", "seq_len"):
-            c.require(f"validation.{field}", getattr(c.cfg.validation, field) == getattr(t, field),
-                      f"must equal training.{field} = {getattr(t, field)} with pipeline parallelism")
-    csv_path = p.pipeline_parallel_schedule_csv
-    if csv_path is None:
-        c.require("parallelism.pipeline_parallel_schedule", p.pipeline_parallel_schedule in pipe.SCHEDULES,
-                  f"is unknown; valid: {', '.join(pipe.SCHEDULES)}")
-    else:
-        c.require("parallelism.pipeline_parallel_schedule_csv", Path(csv_path).is_file(), "does not exist")
-        try:
-            placement = pipe.csv_stage_ranks(csv_path)
-        except Exception as e:  # a malformed action must still give the one-line error
-            c.fail("parallelism.pipeline_parallel_schedule_csv", f"cannot be read: {type(e).__name__}: {e}")
-        c.require("parallelism.pipeline_parallel_schedule_csv", len(placement) == pp,
-                  f"has {len(placement)} rows but there are {pp} pipeline ranks; write one row of actions per rank")
-        stages = sorted(s for ranks in placement.values() for s in ranks)
-        c.require("parallelism.pipeline_parallel_schedule_csv",
-                  stages == list(range(len(stages))) and all(placement.values()),
-                  f"must give every rank at least one stage and each of the stages 0..N-1 to exactly one rank; "
-                  f"its rows hold stages {[placement[r] for r in sorted(placement)]}")
-    mbs = p.pipeline_parallel_microbatch_size
-    c.require("parallelism.pipeline_parallel_microbatch_size", mbs >= 1 and t.local_batch_size % mbs == 0,
-              f"must be >= 1 and divide training.local_batch_size = {t.local_batch_size}")
-    c.require("parallelism.pipeline_parallel_layers_per_stage",
-              p.pipeline_parallel_layers_per_stage is None or p.pipeline_parallel_layers_per_stage >= 1,
-              "is invalid; it must be >= 1 or unset")
-    num_stages = pipe.count_stages(p, args.n_layers)
-    schedule = "the CSV schedule" if csv_path else f"schedule {p.pipeline_parallel_schedule}"
-    if csv_path is None:
-        per_rank = num_stages / pp
-        if pipe.is_single_stage(p.pipeline_parallel_schedule):
-            ok, need = num_stages == pp, f"exactly {pp} stages (one per rank)"
-        elif p.pipeline_parallel_schedule in pipe.V_SCHEDULES:
-            ok, need = num_stages == 2 * pp, f"exactly {2 * pp} stages (two per rank)"
-        else:
-            ok, need = per_rank == int(per_rank), f"a multiple of {pp} stages"
-        c.require("parallelism.pipeline_parallel_schedule", ok,
-                  f"needs {need}, but the layer settings give {num_stages}; change "
-                  "pipeline_parallel_layers_per_stage or module_fqns_per_model_part")
-    microbatches = t.local_batch_size // mbs
-    if csv_path is not None:
-        in_csv = pipe.csv_microbatches(csv_path)
-        c.require("parallelism.pipeline_parallel_schedule_csv", in_csv == microbatches,
-                  f"schedules {in_csv} micro-batches per step, but training.local_batch_size {t.local_batch_size} / "
-                  f"pipeline_parallel_microbatch_size {mbs} gives {microbatches}; make them agree")
-    c.require("parallelism.pipeline_parallel_microbatch_size", microbatches >= num_stages,
-              f"gives {microbatches} micro-batches (training.local_batch_size {t.local_batch_size} / {mbs}), fewer "
-              f"than the {num_stages} stages of {schedule}; raise local_batch_size or lower the micro-batch size")
-    if csv_path is None and p.pipeline_parallel_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        # These run the micro-batches in rounds of (about) pp each; the rounds must all be the same size.
-        rounds = max(1, microbatches // pp)
-        c.require("parallelism.pipeline_parallel_microbatch_size", microbatches % rounds == 0,
-                  f"gives {microbatches} micro-batches, which {schedule} cannot split into {rounds} equal rounds "
-                  f"(of about pp = {pp}); use a multiple of {pp} micro-batches")
-    try:
-        pipe.stage_module_names(p, args.n_layers, num_stages)
-    except ValueError as e:
-        c.fail(key, f"cannot be laid out: {e}")
 
 
 def _check_converters(c: _Checker) -> None:

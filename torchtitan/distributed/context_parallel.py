@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config.job_config import Parallelism, Training, Validation
+
 METHODS = ("allgather", "ring")
 
 aten = torch.ops.aten
@@ -59,6 +61,20 @@ def check_cp_seq_len(seq_len: int, cp: int, tp: int = 1) -> None:
                          f"(sequence parallel): it must be a positive multiple of {multiple}, e.g. {nearest}")
     raise ValueError(f"seq_len {seq_len} must be a positive multiple of 2*cp = {2 * cp} for cp={cp}, "
                      f"e.g. {nearest}")
+
+
+def config_problems(p: Parallelism, t: Training, v: Validation) -> list[tuple[str, str]]:
+    """The first problem (full config key, reason) with context parallelism as configured, or []."""
+    if p.context_parallel_degree == 1:
+        return []
+    try:
+        check_cp_seq_len(t.seq_len, p.context_parallel_degree, p.tensor_parallel_degree)
+    except ValueError as e:
+        return [("training.seq_len", f"cannot be split for context parallelism: {e}")]
+    if v.enable and v.seq_len != t.seq_len:
+        # Context parallelism picks each rank's RoPE positions for the training length once.
+        return [("validation.seq_len", f"must equal training.seq_len = {t.seq_len} with context parallelism")]
+    return []
 
 
 def _chunk_starts(seq_len: int, cp_rank: int, cp: int) -> tuple[int, int, int]:

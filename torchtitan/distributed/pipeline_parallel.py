@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.config.job_config import Parallelism
+from torchtitan.config.job_config import Model, Parallelism, Training, Validation
 
 # The schedules users pick by name (all in torch 2.13), and which of them run several stages per rank.
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -226,3 +226,77 @@ def merged_view(model_parts: list[nn.Module]) -> nn.Module:
             else:
                 view.add_module(name, child)
     return view
+
+
+def config_problems(p: Parallelism, t: Training, v: Validation, model: Model, can_pipeline: bool,
+                    args) -> list[tuple[str, str]]:
+    """The first problem (full config key, reason) with pipelining ``args`` (the model's DecoderArgs) as
+    configured, or []; ``can_pipeline``: the model family has a pipelining_fn."""
+    pp, key = p.pipeline_parallel_degree, "parallelism.pipeline_parallel_degree"
+    if not can_pipeline:
+        return [(key, f"is not supported by model.name = {model.name!r} (its TrainSpec has no pipelining_fn)")]
+    if getattr(args, "tie_embeddings", False):
+        return [(key, f"cannot split model.flavor = {model.flavor!r}: it ties the embedding and output weights, "
+                      "which live on different stages; use an untied flavor")]
+    if v.enable:
+        # The stages exchange activations of the shape the training step set up.
+        for field in ("local_batch_size", "seq_len"):
+            if getattr(v, field) != getattr(t, field):
+                return [(f"validation.{field}",
+                         f"must equal training.{field} = {getattr(t, field)} with pipeline parallelism")]
+    csv_key, csv_path = "parallelism.pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv
+    if csv_path is None:
+        if p.pipeline_parallel_schedule not in SCHEDULES:
+            return [("parallelism.pipeline_parallel_schedule", f"is unknown; valid: {', '.join(SCHEDULES)}")]
+    else:
+        if not Path(csv_path).is_file():
+            return [(csv_key, "does not exist")]
+        try:
+            placement = csv_stage_ranks(csv_path)
+        except Exception as e:  # a malformed action must still give the one-line error
+            return [(csv_key, f"cannot be read: {type(e).__name__}: {e}")]
+        if len(placement) != pp:
+            return [(csv_key, f"has {len(placement)} rows but there are {pp} pipeline ranks; write one row of "
+                              "actions per rank")]
+        stages = sorted(s for ranks in placement.values() for s in ranks)
+        if stages != list(range(len(stages))) or not all(placement.values()):
+            return [(csv_key, "must give every rank at least one stage and each of the stages 0..N-1 to exactly "
+                              f"one rank; its rows hold stages {[placement[r] for r in sorted(placement)]}")]
+    mbs, mbs_key = p.pipeline_parallel_microbatch_size, "parallelism.pipeline_parallel_microbatch_size"
+    if mbs < 1 or t.local_batch_size % mbs != 0:
+        return [(mbs_key, f"must be >= 1 and divide training.local_batch_size = {t.local_batch_size}")]
+    if p.pipeline_parallel_layers_per_stage is not None and p.pipeline_parallel_layers_per_stage < 1:
+        return [("parallelism.pipeline_parallel_layers_per_stage", "is invalid; it must be >= 1 or unset")]
+    num_stages = count_stages(p, args.n_layers)
+    schedule = "the CSV schedule" if csv_path else f"schedule {p.pipeline_parallel_schedule}"
+    if csv_path is None:
+        if is_single_stage(p.pipeline_parallel_schedule):
+            ok, need = num_stages == pp, f"exactly {pp} stages (one per rank)"
+        elif p.pipeline_parallel_schedule in V_SCHEDULES:
+            ok, need = num_stages == 2 * pp, f"exactly {2 * pp} stages (two per rank)"
+        else:
+            ok, need = num_stages % pp == 0, f"a multiple of {pp} stages"
+        if not ok:
+            return [("parallelism.pipeline_parallel_schedule",
+                     f"needs {need}, but the layer settings give {num_stages}; change "
+                     "pipeline_parallel_layers_per_stage or module_fqns_per_model_part")]
+    microbatches = t.local_batch_size // mbs
+    if csv_path is not None and (in_csv := csv_microbatches(csv_path)) != microbatches:
+        return [(csv_key, f"schedules {in_csv} micro-batches per step, but training.local_batch_size "
+                          f"{t.local_batch_size} / pipeline_parallel_microbatch_size {mbs} gives {microbatches}; "
+                          "make them agree")]
+    if microbatches < num_stages:
+        return [(mbs_key, f"gives {microbatches} micro-batches (training.local_batch_size {t.local_batch_size} / "
+                          f"{mbs}), fewer than the {num_stages} stages of {schedule}; raise local_batch_size or "
+                          "lower the micro-batch size")]
+    if csv_path is None and p.pipeline_parallel_schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        # These run the micro-batches in rounds of (about) pp each; the rounds must all be the same size.
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds != 0:
+            return [(mbs_key, f"gives {microbatches} micro-batches, which {schedule} cannot split into {rounds} "
+                              f"equal rounds (of about pp = {pp}); use a multiple of {pp} micro-batches")]
+    try:
+        stage_module_names(p, args.n_layers, num_stages)
+    except ValueError as e:
+        return [(key, f"cannot be laid out: {e}")]
+    return []

@@ -1,4 +1,4 @@
-"""Tensor-parallel helpers shared by model families."""
+"""Tensor parallelism: its config rules and the plan shared by the decoder families."""
 
 import contextlib
 
@@ -15,6 +15,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan.config.job_config import Compile, Parallelism, Training
+from torchtitan.distributed.device import device_type
+
 
 # QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
 # as sharded on the heads dimension (2 of batch, seq, heads, head_dim) makes the weight a replicated
@@ -23,6 +26,27 @@ from torch.distributed.tensor.parallel import (
 # parameter, make grad-norm clipping fail on the mix).
 _QK_NORM_PLAN = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
                  for name in ("attention.q_norm", "attention.k_norm")}
+
+
+def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[tuple[str, str]]:
+    """The first problem (full config key, reason) with tensor parallelism as configured, or []."""
+    tp, key = p.tensor_parallel_degree, "parallelism.tensor_parallel_degree"
+    if t.seq_len % tp != 0:
+        return [(key, f"does not divide training.seq_len = {t.seq_len}, which sequence parallelism shards")]
+    if tp > 1 and compile_cfg.enable and "loss" in compile_cfg.components and not p.disable_loss_parallel:
+        return [("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
+                 "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
+                 "leave 'loss' out of compile.components")]
+    if p.enable_async_tensor_parallel:
+        # Async TP rewrites compiled graphs to overlap NCCL collectives using symmetric memory.
+        key = "parallelism.enable_async_tensor_parallel"
+        if tp == 1:
+            return [(key, "needs parallelism.tensor_parallel_degree > 1")]
+        if device_type() != "cuda":
+            return [(key, f"needs CUDA GPUs (symmetric memory); this machine's device is '{device_type()}'")]
+        if not compile_cfg.enable:
+            return [(key, "needs compile.enable = true (it works on compiled graphs)")]
+    return []
 
 
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
