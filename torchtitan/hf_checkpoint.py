@@ -35,6 +35,12 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_hf_model_state(folder: Path, adapter) -> dict[str, torch.Tensor]:
+    """The weights of a Hugging Face folder under our names and layouts (``adapter``: the family's
+    state-dict adapter), full tensors on CPU."""
+    return adapter.from_hf(read_safetensors(folder))
+
+
 def write_hf_folder(folder: Path, state: dict[str, torch.Tensor], adapter, tokenizer, hf_assets_path: str,
                     dtype: str) -> int:
     """Write our full (unsharded) model state dict as a Hugging Face folder; returns the tensors written.

@@ -16,7 +16,7 @@ from torch import nn
 from torchtitan.components.checkpoint import CheckpointError, ModelState, verify_checkpoint_files
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
-from torchtitan.hf_checkpoint import is_hf_folder, read_safetensors
+from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 
@@ -35,7 +35,7 @@ def build_model(cfg: JobConfig, device: torch.device | str = "cpu") -> tuple[nn.
 def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:
     if spec.state_dict_adapter is None:
         raise CheckpointError(f"model family has no Hugging Face adapter; cannot load {folder}")
-    state = spec.state_dict_adapter(model.args).from_hf(read_safetensors(folder))
+    state = read_hf_model_state(folder, spec.state_dict_adapter(model.args))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.precision import DTYPES
-from torchtitan.hf_checkpoint import read_safetensors, write_hf_folder
+from torchtitan.hf_checkpoint import read_hf_model_state, write_hf_folder
 from torchtitan.log import logger
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -312,7 +312,7 @@ class CheckpointManager:
         """Model weights from a Hugging Face folder; every rank reads the files and keeps its shards."""
         if self.state_dict_adapter is None:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({path})")
-        state = self.state_dict_adapter.from_hf(read_safetensors(path))
+        state = read_hf_model_state(path, self.state_dict_adapter)
         options = StateDictOptions(full_state_dict=True, strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=options)
