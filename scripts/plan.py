@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
-from torchtitan.config.validation import TOKENIZER_FILES, import_custom_modules, validate_config
+from torchtitan.config.validation import import_custom_modules, validate_config
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, plan
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import TOKENIZER_FILES, get_train_spec
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
 FITS, PLANNER_BUG, CANNOT_PLAN, DOES_NOT_FIT = 0, 1, 2, 3

@@ -1,16 +1,12 @@
 """Check a loaded JobConfig before anything is built; every failure is a one-line ConfigError."""
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.loading import ConfigError, ConfigSources, load_config
 from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
 
 class _Checker:
     def __init__(self, cfg: JobConfig, sources: ConfigSources):
@@ -129,47 +125,15 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
 
 
 def _check_model(c: _Checker) -> None:
-    from torchtitan.protocols.train_spec import get_train_spec
+    from torchtitan.protocols.train_spec import model_config_problems
 
-    m = c.cfg.model
-    try:
-        spec = get_train_spec(m.name)
-    except KeyError as e:
-        c.fail("model.name", f"is unknown: {e.args[0]}")
-    c.require("model.flavor", m.flavor in spec.flavors,
-              f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")
-    flavor = spec.flavors[m.flavor]
-    for field, reason in flavor.check():
-        c.fail("model.flavor", f"has an invalid {field}: {reason}")
-    tp = c.cfg.parallelism.tensor_parallel_degree
-    for field, reason in flavor.check_tensor_parallel(tp):
-        c.fail("parallelism.tensor_parallel_degree", f"does not fit model.flavor = {m.flavor!r}: its {field} {reason}")
-    folder = Path(m.hf_assets_path)
-    c.require("model.hf_assets_path", folder.is_dir(), "does not exist; it must be a folder holding a tokenizer")
-    c.require("model.hf_assets_path", any((folder / f).is_file() for f in TOKENIZER_FILES),
-              f"holds no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} in it")
-    try:
-        tokenizer_vocab = spec.build_tokenizer_fn(m.hf_assets_path).vocab_size
-    except Exception as e:  # a corrupt tokenizer file must still give the one-line error
-        c.fail("model.hf_assets_path", f"holds a tokenizer that cannot be loaded: {type(e).__name__}: {e}")
-    args = spec.flavors[m.flavor].finalize(tokenizer_vocab, c.cfg.training.seq_len)
-    model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
-    c.require("model.flavor", model_vocab >= tokenizer_vocab,
-              f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in {m.hf_assets_path}")
+    problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
+    c.report("", problems)
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 
-        c.report("", config_problems(c.cfg.parallelism, c.cfg.training, c.cfg.validation, m,
+        c.report("", config_problems(c.cfg.parallelism, c.cfg.training, c.cfg.validation, c.cfg.model,
                                      spec.pipelining_fn is not None, args))
-    if c.cfg.parallelism.context_parallel_degree > 1:
-        import torch
-
-        with torch.device("meta"):  # free: no memory is allocated
-            model = spec.model_cls(args)
-        has_attention_fn = any(hasattr(module, "attention_fn") for module in model.modules())
-        c.require("parallelism.context_parallel_degree", has_attention_fn,
-                  f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
-                  "(docs/extending.md says what context parallelism needs)")
 
 
 def _check_converters(c: _Checker) -> None:

@@ -5,10 +5,13 @@ A custom model registers a spec under a new name (from its own package, imported
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
+from torchtitan.config.job_config import Model, Parallelism
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.registry import Registry
 
@@ -65,3 +68,47 @@ def get_train_spec(name: str) -> TrainSpec:
 
 def registered_train_specs() -> list[str]:
     return TRAIN_SPECS.names()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[tuple[str, str]], Any, Any]:
+    """The first problem (full config key, reason) with the [model] section for this sequence length and
+    layout, or [], with the TrainSpec and the finalized model args when they could be built (else None)."""
+    try:
+        spec = get_train_spec(m.name)
+    except KeyError as e:
+        return [("model.name", f"is unknown: {e.args[0]}")], None, None
+    if m.flavor not in spec.flavors:
+        return [("model.flavor", f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")], spec, None
+    flavor = spec.flavors[m.flavor]
+    if bad := flavor.check():
+        return [("model.flavor", f"has an invalid {bad[0][0]}: {bad[0][1]}")], spec, None
+    if bad := flavor.check_tensor_parallel(p.tensor_parallel_degree):
+        return [("parallelism.tensor_parallel_degree",
+                 f"does not fit model.flavor = {m.flavor!r}: its {bad[0][0]} {bad[0][1]}")], spec, None
+    folder = Path(m.hf_assets_path)
+    if not folder.is_dir():
+        return [("model.hf_assets_path", "does not exist; it must be a folder holding a tokenizer")], spec, None
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return [("model.hf_assets_path",
+                 f"holds no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} in it")], spec, None
+    try:
+        tokenizer_vocab = spec.build_tokenizer_fn(m.hf_assets_path).vocab_size
+    except Exception as e:  # a corrupt tokenizer file must still give the one-line error
+        return [("model.hf_assets_path",
+                 f"holds a tokenizer that cannot be loaded: {type(e).__name__}: {e}")], spec, None
+    args = flavor.finalize(tokenizer_vocab, seq_len)
+    model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
+    if model_vocab < tokenizer_vocab:
+        return [("model.flavor", f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in "
+                                 f"{m.hf_assets_path}")], spec, args
+    if p.context_parallel_degree > 1:
+        with torch.device("meta"):  # free: no memory is allocated
+            model = spec.model_cls(args)
+        if not any(hasattr(module, "attention_fn") for module in model.modules()):
+            return [("parallelism.context_parallel_degree",
+                     f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
+                     "(docs/extending.md says what context parallelism needs)")], spec, args
+    return [], spec, args
