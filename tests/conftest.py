@@ -53,6 +53,18 @@ def run_module(module: str, *args: str, env: dict | None = None, timeout: int = 
     return run_command([sys.executable, "-m", module, *args], env=env, timeout=timeout)
 
 
+def torchrun_command(nproc: int, module: str) -> list[str]:
+    """``python -m module`` on ``nproc`` local processes under torchrun, rank 0's output shown."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend", "c10d",
+            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", module]
+
+
+def trainer_command(nproc: int) -> list[str]:
+    """The trainer on ``nproc`` processes, started directly: run_train.sh's config pre-check and its own
+    torchrun cost seconds per launch, which tests that are not about run_train.sh need not pay."""
+    return [sys.executable, "-m", "torchtitan.train"] if nproc == 1 else torchrun_command(nproc, "torchtitan.train")
+
+
 def run_command(cmd: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env.get('PATH', '')}"

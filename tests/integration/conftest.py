@@ -3,7 +3,15 @@
 import pytest
 
 from tests.conftest import run_module
-from tests.integration.parity import COMMON, CONFIG, read_rows
+from tests.integration.parity import (
+    COMMON,
+    CONFIG,
+    MANY_PROCESS_LAYOUTS,
+    TINY_COMMON,
+    TINY_CONFIG,
+    read_rows,
+    train_matrix,
+)
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +22,10 @@ def reference(tmp_path_factory):
                         f"--job.dump_folder={out}")
     assert result.returncode == 0, result.stderr
     return read_rows(out)
+
+
+@pytest.fixture(scope="session")
+def many_process_runs(tmp_path_factory):
+    """The 8- and 16-process layouts and their single-process reference (parity.MANY_PROCESS_LAYOUTS)."""
+    return train_matrix(tmp_path_factory.mktemp("many"), MANY_PROCESS_LAYOUTS, config=TINY_CONFIG,
+                        common=TINY_COMMON)

@@ -1,12 +1,11 @@
 """``torchtitan.train`` that also counts the gradient all-reduces across data-parallel replicas.
 
-Run under torchrun by test_gradient_sync.py. Each rank writes ``{dump_folder}/all_reduces-rank{R}.json``
+Run by test_gradient_sync.py as the entry of a train_matrix job. Each rank writes ``{dump_folder}/all_reduces-rank{R}.json``
 with the FSDP2 / replicate units that hold parameters and the all-reduces their hooks saw.
 """
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -17,7 +16,7 @@ from torchtitan.config.validation import load_and_validate
 from torchtitan.train import Trainer
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     cfg = load_and_validate(argv)
     init_logger(int(os.environ["RANK"]))
     trainer = Trainer(cfg)
@@ -31,10 +30,7 @@ def main(argv: list[str]) -> None:
     trainer.train()
     trainer.close()
     out = Path(cfg.job.dump_folder) / f"all_reduces-rank{dist.get_rank()}.json"
-    out.write_text(json.dumps({"units": len(units), "all_reduces": len(calls), "steps": trainer.step}))
+    out.write_text(json.dumps({"units": len(units), "all_reduces": len(calls), "steps": trainer.step,
+                               "accumulation": trainer.grad_accum_steps}))
     dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return 0

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_command, run_module
+from tests.conftest import run_command, torchrun_command, trainer_command
 
-# The debug model at a short sequence keeps these multi-process runs to seconds per step.
-COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "6",
+# The debug model (6 layers, so every pipeline split fits) at a short sequence: a fraction of a second per step.
+COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
           "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
 CONFIG = "train_configs/debug_model.toml"
 
@@ -26,8 +26,8 @@ def assert_matches(rows, reference):
 
 
 def train(dump: Path, nproc: int, flags: list[str], config: str = CONFIG, common=COMMON) -> list[dict]:
-    result = run_command(["./run_train.sh", *common, *flags, f"--job.dump_folder={dump}"],
-                         env={"NGPU": str(nproc), "CONFIG_FILE": config})
+    result = run_command([*trainer_command(nproc), "--job.config_file", config, *common, *flags,
+                          f"--job.dump_folder={dump}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_rows(dump)
 
@@ -39,18 +39,27 @@ def assert_same_steps(rows: list[dict], expected: list[dict]) -> None:
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), ours["step"]
 
 
-def assert_tiny_matches_single_process(tmp_path: Path, nproc: int, flags: list[str]) -> None:
-    """4 steps of the tiny flavor (fp32, global batch 8) on ``nproc`` processes against one process."""
-    common = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
-              "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
-    config = "train_configs/tiny.toml"
-    single = tmp_path / "single"
-    result = run_module("torchtitan.train", "--job.config_file", config, *common, "--training.local_batch_size", "8",
-                        f"--job.dump_folder={single}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = train(tmp_path / "parallel", nproc, flags, config=config, common=common)
+# The layouts of 8 and 16 processes: the tiny flavor (fp32, global batch 8, 4 steps), where start-up, not
+# training, is the cost; one launch per process count for all of them (the many_process_runs fixture).
+TINY_CONFIG = "train_configs/tiny.toml"
+TINY_COMMON = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
+               "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
+_PP2_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]
+MANY_PROCESS_LAYOUTS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "dp2_tp2_pp2": (8, ["--training.local_batch_size", "4", *_PP2_TP2]),
+    "cp2_tp2_pp2": (8, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2", *_PP2_TP2]),
+    # All four dimensions in one mesh.
+    "fsdp2_cp2_tp2_pp2": (16, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                               *_PP2_TP2]),
+}
+
+
+def assert_tiny_matches_single_process(runs: dict[str, list[dict] | str], layout: str) -> None:
+    """A layout of MANY_PROCESS_LAYOUTS trained the single process's 4 steps."""
+    rows = rows_of(runs, layout)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert_same_steps(rows, read_rows(single))
+    assert_same_steps(rows, rows_of(runs, "single"))
 
 
 def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[str]],
@@ -62,8 +71,47 @@ def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[
     resumed = tmp_path / "resumed"
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    result = run_command(["./run_train.sh", *COMMON, *ckpt, *target[1], f"--job.dump_folder={resumed}"],
-                         env={"NGPU": str(target[0]), "CONFIG_FILE": CONFIG})
+    result = run_command([*trainer_command(target[0]), "--job.config_file", CONFIG, *COMMON, *ckpt, *target[1],
+                          f"--job.dump_folder={resumed}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed from step 3" in result.stdout + result.stderr
     assert_same_steps(read_rows(resumed), straight[3:])
+
+
+def train_matrix(folder: Path, layouts: dict[str, tuple[int, list[str]]], config: str = CONFIG,
+                 common=COMMON, entry: str = "torchtitan.train:main") -> dict[str, list[dict] | str]:
+    """Run every layout (name: (nproc, flags)) with one torchrun launch per process count; flags may name
+    another ``--job.config_file`` (the last one given wins, as on the command line).
+
+    Start-up (interpreters, imports, rendezvous) is paid once per launch instead of once per layout; the
+    jobs run one after another in the same processes (tests/integration/matrix_worker.py). Returns the
+    metrics rows of each layout, or the reason it has none (its failure, or an earlier job's). ``entry``
+    ("module:function") runs each job in place of the trainer's main, e.g. one that also counts collectives.
+    """
+    results: dict[str, list[dict] | str] = {}
+    for nproc in sorted({nproc for nproc, _ in layouts.values()}):
+        names = [name for name, (n, _) in layouts.items() if n == nproc]
+        jobs = [{"name": name, "entry": entry, "argv": ["--job.config_file", config, *common, *layouts[name][1],
+                                                        f"--job.dump_folder={folder / name}"]} for name in names]
+        spec = folder / f"matrix-{nproc}.json"
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text(json.dumps(jobs))
+        result = run_command([*torchrun_command(nproc, "tests.integration.matrix_worker"), str(spec)])
+        codes_file = spec.with_suffix(".codes.json")
+        codes = json.loads(codes_file.read_text()) if codes_file.exists() else {}
+        output = result.stdout[-3000:] + result.stderr[-3000:]
+        for name in names:
+            if codes.get(name) == 0:
+                results[name] = read_rows(folder / name)
+            elif name in codes:
+                results[name] = f"{name} exited {codes[name]}:\n{output}"
+            else:
+                results[name] = f"{name} did not run (launch exit {result.returncode}; an earlier job failed):\n{output}"
+    return results
+
+
+def rows_of(results: dict[str, list[dict] | str], name: str) -> list[dict]:
+    """The metrics rows of one layout of a train_matrix, failing the test with the run's output if it has none."""
+    rows = results[name]
+    assert isinstance(rows, list), rows
+    return rows

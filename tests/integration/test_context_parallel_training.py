@@ -6,7 +6,8 @@ from tests.integration.parity import (
     assert_matches,
     assert_resumes_under_another_layout,
     assert_tiny_matches_single_process,
-    train,
+    rows_of,
+    train_matrix,
 )
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
@@ -20,26 +21,27 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    return train_matrix(tmp_path_factory.mktemp("cp"),
+                        {name: (nproc, [*flags, *CP2]) for name, (nproc, flags) in LAYOUTS.items()})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_context_parallel_layouts_match_single_process(tmp_path, reference, layout):
-    nproc, flags = LAYOUTS[layout]
-    assert_matches(train(tmp_path, nproc, [*flags, *CP2]), reference)
+def test_context_parallel_layouts_match_single_process(cp_runs, reference, layout):
+    assert_matches(rows_of(cp_runs, layout), reference)
 
 
 @pytest.mark.slow
-def test_cp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
-    assert_tiny_matches_single_process(
-        tmp_path, 8, ["--training.local_batch_size", "8", *CP2, "--parallelism.tensor_parallel_degree", "2",
-                      "--parallelism.pipeline_parallel_degree", "2"])
+def test_cp2_tp2_pp2_on_eight_processes_matches_single_process(many_process_runs):
+    assert_tiny_matches_single_process(many_process_runs, "cp2_tp2_pp2")
 
 
 @pytest.mark.slow
-def test_fsdp2_cp2_tp2_pp2_on_sixteen_processes_matches_single_process(tmp_path):
+def test_fsdp2_cp2_tp2_pp2_on_sixteen_processes_matches_single_process(many_process_runs):
     """All four dimensions in one mesh."""
-    assert_tiny_matches_single_process(
-        tmp_path, 16, ["--training.local_batch_size", "4", *CP2, "--parallelism.tensor_parallel_degree", "2",
-                       "--parallelism.pipeline_parallel_degree", "2"])
+    assert_tiny_matches_single_process(many_process_runs, "fsdp2_cp2_tp2_pp2")
 
 
 @pytest.mark.slow

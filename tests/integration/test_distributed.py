@@ -6,8 +6,7 @@ DDP and HSDP are covered, with gradient accumulation, by test_gradient_sync.py.
 
 import pytest
 
-from tests.conftest import run_command, run_module
-from tests.integration.parity import COMMON, CONFIG, assert_matches, read_rows
+from tests.integration.parity import assert_matches, rows_of, train_matrix
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
@@ -26,49 +25,39 @@ LAYOUTS = {
                                                    "--parallelism.disable_loss_parallel"]),
     "fsdp2_selective_op_ac": (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                                   "--activation_checkpoint.selective_ac_option", "op"]),
+    "compile_alone": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
 }
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    return train_matrix(tmp_path_factory.mktemp("layouts"), LAYOUTS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_process(tmp_path, reference, layout):
-    nproc, flags = LAYOUTS[layout]
-    result = run_command(["./run_train.sh", *COMMON, *flags, f"--job.dump_folder={tmp_path}"],
-                         env={"NGPU": str(nproc), "CONFIG_FILE": CONFIG})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert_matches(read_rows(tmp_path), reference)
-
-
-@pytest.mark.slow
-def test_compile_alone_matches_eager(tmp_path, reference):
-    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
-                        "--compile.enable", f"--job.dump_folder={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_matches(read_rows(tmp_path), reference)
+def test_layout_matches_single_process(layout_runs, reference, layout):
+    assert_matches(rows_of(layout_runs, layout), reference)
 
 
 VALIDATION = ["--validation.enable", "--validation.freq", "3", "--validation.steps", "2",
-              "--validation.seq_len", "256", "--validation.local_batch_size", "8", "--training.local_batch_size", "8"]
+              "--validation.seq_len", "64", "--validation.local_batch_size", "8", "--training.local_batch_size", "8"]
 VALIDATION_LAYOUTS = {
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
+    "single": (1, VALIDATION),
+    "tp2": (2, [*VALIDATION, "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2_interleaved": (2, [*VALIDATION, "--parallelism.pipeline_parallel_degree", "2",
                             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2": (2, [*VALIDATION, "--parallelism.context_parallel_degree", "2"]),
 }
 
 
 @pytest.mark.slow
 def test_validation_loss_is_the_same_under_tp_pp_and_cp(tmp_path):
-    def validation_rows(dump, nproc, flags):
-        result = run_command(["./run_train.sh", *COMMON, *VALIDATION, *flags, f"--job.dump_folder={dump}"],
-                             env={"NGPU": str(nproc), "CONFIG_FILE": CONFIG})
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        return [r for r in read_rows(dump) if "val_loss" in r]
-
-    expected = validation_rows(tmp_path / "single", 1, [])
+    runs = train_matrix(tmp_path, VALIDATION_LAYOUTS)
+    expected = [r for r in rows_of(runs, "single") if "val_loss" in r]
     assert [r["step"] for r in expected] == [3, 6] and expected[1]["val_loss"] < expected[0]["val_loss"]
-    for name, (nproc, flags) in VALIDATION_LAYOUTS.items():
-        rows = validation_rows(tmp_path / name, nproc, flags)
+    for name in VALIDATION_LAYOUTS:
+        rows = [r for r in rows_of(runs, name) if "val_loss" in r]
         assert [r["step"] for r in rows] == [3, 6], name
         for ours, ref in zip(rows, expected):
             assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4), name

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import run_command, run_module
+from tests.integration.parity import rows_of, train_matrix
 from tests.integration.test_training import make_trainer
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config.validation import validate_config
@@ -73,36 +74,34 @@ def test_float8_converts_every_linear_except_filtered(tmp_path):
     assert len(linears) == 6 * 7 and all(t is Float8Linear for t in linears.values())
 
 
-FLOAT8_FLAGS = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", "30",
+STEPS = 15
+FLOAT8_FLAGS = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", str(STEPS),
                 "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600"]
 # torch._scaled_mm has no fast CPU kernel; emulation keeps float8 rounding with fast matmuls.
 EMULATE = ["--quantize.linear.float8.emulate"]
 
 
+FLOAT8 = ["--model.converters", "float8", *EMULATE]
+FLOAT8_RUNS = {
+    "bf16": (1, ["--training.local_batch_size", "8"]),
+    "single": (1, [*FLOAT8, "--training.local_batch_size", "8"]),
+    "compile": (1, [*FLOAT8, "--training.local_batch_size", "8", "--compile.enable"]),
+    "fsdp2": (2, [*FLOAT8, "--training.local_batch_size", "4"]),
+}
+
+
 @pytest.fixture(scope="module")
-def bf16_reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bf16")
-    result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *FLOAT8_FLAGS,
-                        "--training.local_batch_size", "8", f"--job.dump_folder={out}")
-    assert result.returncode == 0, result.stderr
-    return losses(out)
+def float8_runs(tmp_path_factory):
+    return train_matrix(tmp_path_factory.mktemp("float8"), FLOAT8_RUNS, config="train_configs/tiny.toml",
+                        common=FLOAT8_FLAGS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "fsdp2", "compile"])
-def test_float8_training_stays_within_5_percent_of_bf16(tmp_path, bf16_reference, layout):
-    flags = [*FLOAT8_FLAGS, "--model.converters", "float8", *EMULATE, f"--job.dump_folder={tmp_path}"]
-    if layout == "fsdp2":
-        result = run_command(["./run_train.sh", *flags, "--training.local_batch_size", "4"],
-                             env={"NGPU": "2", "CONFIG_FILE": "train_configs/tiny.toml"})
-    else:
-        extra = ["--compile.enable"] if layout == "compile" else []
-        result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", *flags, *extra,
-                            "--training.local_batch_size", "8")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ours = losses(tmp_path)
-    assert len(ours) == 30
-    assert ours[-1] == pytest.approx(bf16_reference[-1], rel=0.05)
+def test_float8_training_stays_within_5_percent_of_bf16(float8_runs, layout):
+    ours, bf16 = [[r["loss"] for r in rows_of(float8_runs, name)] for name in (layout, "bf16")]
+    assert len(ours) == len(bf16) == STEPS
+    assert ours[-1] == pytest.approx(bf16[-1], rel=0.05)
     assert ours[-1] < ours[0] - 1.0  # it learned, so the comparison is between trained models
 
 

@@ -9,7 +9,8 @@ from tests.integration.parity import (
     assert_matches,
     assert_resumes_under_another_layout,
     assert_tiny_matches_single_process,
-    train,
+    rows_of,
+    train_matrix,
 )
 from torchtitan.distributed.pipeline_parallel import SCHEDULES
 
@@ -30,15 +31,9 @@ def one_f_one_b_csv(path: Path, pp: int, microbatches: int) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_schedule_matches_single_process(tmp_path, reference, schedule):
-    rows = train(tmp_path, 2, ["--training.local_batch_size", "8", *PP2,
-                               "--parallelism.pipeline_parallel_schedule", schedule])
-    assert_matches(rows, reference)
-
-
 LAYOUTS = {
+    **{schedule: (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule", schedule])
+       for schedule in SCHEDULES},
     "pp2_accum2": (2, ["--training.local_batch_size", "4", "--training.global_batch_size", "8",
                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "pp2_microbatch2": (2, ["--training.local_batch_size", "8",
@@ -49,40 +44,56 @@ LAYOUTS = {
                                           "--parallelism.pipeline_parallel_schedule", "LoopedBFS",
                                           "--parallelism.pipeline_parallel_layers_per_stage", "2"]),
 }
+COMPOSITIONS = [name for name in LAYOUTS if name not in SCHEDULES]
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """Every schedule and composition above, the uneven cut by module names and a CSV schedule equal to 1F1B,
+    all with PP2: one launch per process count."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    uneven = folder / "uneven.toml"
+    uneven.write_text(f'extends = "{Path(CONFIG).resolve()}"\n[parallelism]\nmodule_fqns_per_model_part = '
+                      '[["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4"], '
+                      '["layers.5", "norm", "output"]]\n')
+    csv = one_f_one_b_csv(folder / "1f1b.csv", pp=2, microbatches=8)
+    layouts = {
+        **LAYOUTS,
+        # An uneven cut given by name: 5 blocks on the first stage, 1 with the output on the second.
+        "explicit_module_names": (2, ["--training.local_batch_size", "8", "--job.config_file", str(uneven)]),
+        "csv_1f1b": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule_csv",
+                         str(csv)]),
+    }
+    return train_matrix(folder, {name: (nproc, [*flags, *PP2]) for name, (nproc, flags) in layouts.items()})
 
 
 @pytest.mark.slow
-def test_explicit_module_names_per_stage(tmp_path, reference):
-    """An uneven cut given by name: 5 blocks on the first stage, 1 with the output on the second."""
-    toml = tmp_path / "uneven.toml"
-    toml.write_text(f'extends = "{Path(CONFIG).resolve()}"\n[parallelism]\nmodule_fqns_per_model_part = '
-                    '[["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4"], '
-                    '["layers.5", "norm", "output"]]\n')
-    rows = train(tmp_path / "run", 2, ["--training.local_batch_size", "8", *PP2], config=str(toml))
-    assert_matches(rows, reference)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_matches_single_process(pipeline_runs, reference, schedule):
+    assert_matches(rows_of(pipeline_runs, schedule), reference)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_pipeline_compositions_match_single_process(tmp_path, reference, layout):
-    nproc, flags = LAYOUTS[layout]
-    assert_matches(train(tmp_path, nproc, [*flags, *PP2]), reference)
+def test_explicit_module_names_per_stage(pipeline_runs, reference):
+    assert_matches(rows_of(pipeline_runs, "explicit_module_names"), reference)
 
 
 @pytest.mark.slow
-def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(tmp_path):
-    flags = ["--training.local_batch_size", "8", *PP2]
-    builtin = train(tmp_path / "1f1b", 2, flags)
-    csv = one_f_one_b_csv(tmp_path / "1f1b.csv", pp=2, microbatches=8)
-    custom = train(tmp_path / "csv", 2, [*flags, "--parallelism.pipeline_parallel_schedule_csv", str(csv)])
+@pytest.mark.parametrize("layout", COMPOSITIONS)
+def test_pipeline_compositions_match_single_process(pipeline_runs, reference, layout):
+    assert_matches(rows_of(pipeline_runs, layout), reference)
+
+
+@pytest.mark.slow
+def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(pipeline_runs):
+    builtin, custom = rows_of(pipeline_runs, "1F1B"), rows_of(pipeline_runs, "csv_1f1b")
     assert [r["loss"] for r in custom] == pytest.approx([r["loss"] for r in builtin], rel=1e-6)
     assert [r["grad_norm"] for r in custom] == pytest.approx([r["grad_norm"] for r in builtin], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(tmp_path):
-    assert_tiny_matches_single_process(
-        tmp_path, 8, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *PP2])
+def test_dp2_tp2_pp2_on_eight_processes_matches_single_process(many_process_runs):
+    assert_tiny_matches_single_process(many_process_runs, "dp2_tp2_pp2")
 
 
 @pytest.mark.slow

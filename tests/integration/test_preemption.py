@@ -15,7 +15,7 @@ from torchtitan.components.checkpoint import complete_steps
 def test_signal_makes_every_rank_checkpoint_and_exit_then_resume(tmp_path, sig):
     extra = ["--training.local_batch_size", "4", "--training.steps", "400", "--checkpoint.interval", "1000",
              "--training.dataloader.num_workers", "2"]
-    proc = launch(tmp_path, 2, extra)
+    proc = launch(tmp_path, 2, extra, launcher=["./run_train.sh"])
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import run_command, run_module
-from tests.integration.parity import assert_matches, read_rows
+from tests.conftest import run_module
+from tests.integration.parity import assert_matches, read_rows, rows_of, train_matrix
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"
@@ -60,41 +60,29 @@ def test_hf_export_loads_in_transformers_with_our_logits(exported):
 # Parity: fp32, global batch 8, seq 128, 6 steps; the same numbers as test_distributed.py asks of Llama.
 COMMON = [*FP32, "--training.seq_len", "128", "--training.steps", "6", "--metrics.log_freq", "1",
           "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
-LAYOUTS = {
-    "fsdp2": ["--training.local_batch_size", "4"],
+TIED = ["--experimental.custom_import", "tests.integration.tied_qwen3", "--model.name", "qwen3_tied"]
+RUNS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
     # TP also checks the QK-norm weights: each rank normalises only its heads, so their gradients must be summed.
-    "tp2": ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    # Tied embedding/output weights share one FSDP unit.
+    "tied_single": (1, [*TIED, "--training.local_batch_size", "8"]),
+    "tied_fsdp2": (2, [*TIED, "--training.local_batch_size", "4"]),
 }
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen3_single")
-    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
-                        f"--job.dump_folder={out}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_rows(out)
+def qwen3_runs(tmp_path_factory):
+    return train_matrix(tmp_path_factory.mktemp("qwen3"), RUNS, config=CONFIG, common=COMMON)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_process(tmp_path, reference, layout):
-    result = run_command(["./run_train.sh", *COMMON, *LAYOUTS[layout], f"--job.dump_folder={tmp_path}"],
-                         env={"NGPU": "2", "CONFIG_FILE": CONFIG})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert_matches(read_rows(tmp_path), reference)
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_layout_matches_single_process(qwen3_runs, layout):
+    assert_matches(rows_of(qwen3_runs, layout), rows_of(qwen3_runs, "single"))
 
 
 @pytest.mark.slow
-def test_tied_embeddings_under_fsdp2_match_single_process(tmp_path):
-    """Tied embedding/output weights share one FSDP unit; the run matches the single process."""
-    tied = ["--experimental.custom_import", "tests.integration.tied_qwen3", "--model.name", "qwen3_tied"]
-    single = tmp_path / "single"
-    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, *tied,
-                        "--training.local_batch_size", "8", f"--job.dump_folder={single}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    fsdp = tmp_path / "fsdp"
-    result = run_command(["./run_train.sh", *COMMON, *tied, "--training.local_batch_size", "4",
-                          f"--job.dump_folder={fsdp}"], env={"NGPU": "2", "CONFIG_FILE": CONFIG})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert_matches(read_rows(fsdp), read_rows(single))
+def test_tied_embeddings_under_fsdp2_match_single_process(qwen3_runs):
+    assert_matches(rows_of(qwen3_runs, "tied_fsdp2"), rows_of(qwen3_runs, "tied_single"))
