@@ -142,6 +142,20 @@ void copy_rows(const bf16* x, long st, bf16* out, int rows) {
 
 inline __mmask16 causal_mask(int r) { return (__mmask16)(0xFFFFu << r); }  // queries n >= key r
 
+// Tiles A and B = the 16 rows at ``rows`` (stride ``stride`` elements) times the two 16-query tiles that
+// follow each other at ``dims``; tile registers 6 and 7 hold the operands. A macro: the tile intrinsics
+// paste their register numbers into the assembly, so they must be literals.
+#define ROWS_TIMES_TWO_QUERY_TILES(A, B, rows, stride, dims) \
+  do {                                                       \
+    _tile_loadd(6, (rows), (stride) * 2);                    \
+    _tile_zero(A);                                           \
+    _tile_loadd(7, (dims), 64);                              \
+    _tile_dpbf16ps(A, 6, 7);                                 \
+    _tile_zero(B);                                           \
+    _tile_loadd(7, (dims) + 256, 64);                        \
+    _tile_dpbf16ps(B, 6, 7);                                 \
+  } while (0)
+
 struct Workspace {
   std::vector<bf16> q_dims, do_dims, q_tokens, do_tokens, kv_t, k_rows, v_rows;
   std::vector<float> dq_t, dk, dv, lse2, delta;
@@ -272,20 +286,8 @@ void backward_head(const bf16* q, long qs, const bf16* o, long os, const bf16* d
     const bf16* vj = v + j * BLK * vs;
     for (int i0 = j; i0 < nb; i0 += 2) {
       const bool second = i0 + 1 < nb;  // else the second query tile is padding
-      _tile_loadd(6, kj, ks * 2);
-      _tile_zero(0);
-      _tile_loadd(7, w.q_dims.data() + i0 * 256, 64);
-      _tile_dpbf16ps(0, 6, 7);  // S^T
-      _tile_zero(1);
-      _tile_loadd(7, w.q_dims.data() + (i0 + 1) * 256, 64);
-      _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(6, vj, vs * 2);
-      _tile_zero(2);
-      _tile_loadd(7, w.do_dims.data() + i0 * 256, 64);
-      _tile_dpbf16ps(2, 6, 7);  // dP^T
-      _tile_zero(3);
-      _tile_loadd(7, w.do_dims.data() + (i0 + 1) * 256, 64);
-      _tile_dpbf16ps(3, 6, 7);
+      ROWS_TIMES_TWO_QUERY_TILES(0, 1, kj, ks, w.q_dims.data() + i0 * 256);  // S^T
+      ROWS_TIMES_TWO_QUERY_TILES(2, 3, vj, vs, w.do_dims.data() + i0 * 256);  // dP^T
       _tile_stored(0, w.s, 64);
       _tile_stored(1, w.s + 256, 64);
       _tile_stored(2, w.dp, 64);
