@@ -53,10 +53,11 @@ def run_module(module: str, *args: str, env: dict | None = None, timeout: int = 
     return run_command([sys.executable, "-m", module, *args], env=env, timeout=timeout)
 
 
-def torchrun_command(nproc: int, module: str) -> list[str]:
-    """``python -m module`` on ``nproc`` local processes under torchrun, rank 0's output shown."""
+def torchrun_command(nproc: int, module: str, ranks: str = "0") -> list[str]:
+    """``python -m module`` on ``nproc`` local processes under torchrun, showing the output of ``ranks``."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", module]
+            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", ranks, "--role", "rank", "--tee", "3", "-m",
+            module]
 
 
 def trainer_command(nproc: int) -> list[str]:

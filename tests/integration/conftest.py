@@ -2,26 +2,33 @@
 
 import pytest
 
-from tests.conftest import run_module
-from tests.integration.parity import (
-    COMMON,
-    CONFIG,
-    MANY_PROCESS_LAYOUTS,
-    TINY_COMMON,
-    TINY_CONFIG,
-    read_rows,
-    train_matrix,
-)
+import importlib
+
+from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CONFIG, rows_of, train_matrix
+
+
+# The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
+DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training")
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+def debug_runs(tmp_path_factory):
+    """Every debug-model layout of the parity modules and the single-process reference, run with one launch
+    per process count for the whole suite (parity.COMMON flags)."""
+    folder = tmp_path_factory.mktemp("debug_layouts")
+    layouts = {"reference": (1, ["--training.local_batch_size", "8"])}
+    for name in DEBUG_LAYOUT_MODULES:
+        module = importlib.import_module(f"tests.integration.{name}")
+        for layout, spec in module.debug_layouts(folder).items():
+            assert layout not in layouts, f"{name} repeats the layout name {layout!r}"
+            layouts[layout] = spec
+    return train_matrix(folder, layouts)
+
+
+@pytest.fixture(scope="session")
+def reference(debug_runs):
     """Single process, local batch 8: what every layout of the debug model must reproduce."""
-    out = tmp_path_factory.mktemp("single")
-    result = run_module("torchtitan.train", "--job.config_file", CONFIG, *COMMON, "--training.local_batch_size", "8",
-                        f"--job.dump_folder={out}")
-    assert result.returncode == 0, result.stderr
-    return read_rows(out)
+    return rows_of(debug_runs, "reference")
 
 
 @pytest.fixture(scope="session")

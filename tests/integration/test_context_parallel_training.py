@@ -1,4 +1,4 @@
-"""Context parallelism trains the same numbers as a single process (fp32, 6 steps, global batch 8)."""
+"""Context parallelism trains the same numbers as a single process (fp32, 4 steps, global batch 8)."""
 
 import pytest
 
@@ -7,7 +7,6 @@ from tests.integration.parity import (
     assert_resumes_under_another_layout,
     assert_tiny_matches_single_process,
     rows_of,
-    train_matrix,
 )
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
@@ -21,16 +20,15 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
-    return train_matrix(tmp_path_factory.mktemp("cp"),
-                        {name: (nproc, [*flags, *CP2]) for name, (nproc, flags) in LAYOUTS.items()})
+def debug_layouts(folder):
+    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture)."""
+    return {name: (nproc, [*flags, *CP2]) for name, (nproc, flags) in LAYOUTS.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_context_parallel_layouts_match_single_process(cp_runs, reference, layout):
-    assert_matches(rows_of(cp_runs, layout), reference)
+def test_context_parallel_layouts_match_single_process(debug_runs, reference, layout):
+    assert_matches(rows_of(debug_runs, layout), reference)
 
 
 @pytest.mark.slow

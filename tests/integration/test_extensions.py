@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import run_command, run_module
+from tests.conftest import run_command, run_module, torchrun_command
 from tests.integration.parity import rows_of, train_matrix
 from tests.integration.test_training import make_trainer
 from torchtitan.config import ConfigError, load_config
@@ -39,8 +39,8 @@ def test_outside_package_model_under_fsdp2_matches_single_process(tmp_path):
                       f"--job.dump_folder={single}").returncode == 0
     fsdp = tmp_path / "fsdp"
     # Both ranks' output: rank 1 once aborted at teardown (SIGABRT after "training finished") with nothing shown.
-    result = run_command(["./run_train.sh", *flags, "--training.local_batch_size", "2", f"--job.dump_folder={fsdp}"],
-                         env={"NGPU": "2", "CONFIG_FILE": NANOGPT, "LOG_RANK": "0,1"})
+    result = run_command([*torchrun_command(2, "torchtitan.train", ranks="0,1"), "--job.config_file", NANOGPT, *flags,
+                          "--training.local_batch_size", "2", f"--job.dump_folder={fsdp}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert losses(fsdp) == pytest.approx(losses(single), rel=1e-4)
 
@@ -75,7 +75,7 @@ def test_float8_converts_every_linear_except_filtered(tmp_path):
 
 
 STEPS = 15
-FLOAT8_FLAGS = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", str(STEPS),
+FLOAT8_FLAGS = ["--model.flavor", "debugmodel", "--training.seq_len", "128", "--training.steps", str(STEPS),
                 "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600"]
 # torch._scaled_mm has no fast CPU kernel; emulation keeps float8 rounding with fast matmuls.
 EMULATE = ["--quantize.linear.float8.emulate"]

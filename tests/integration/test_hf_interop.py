@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import run_command, run_module
+from tests.conftest import run_command, run_module, trainer_command
 from torchtitan.hf_checkpoint import read_safetensors
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
@@ -128,8 +128,8 @@ def test_last_save_in_hf_exports_a_folder_transformers_loads_with_our_logits(tmp
                                    ["--parallelism.pipeline_parallel_degree", "2"]], ids=["fsdp2", "pp2"])
 def test_last_save_in_hf_gathers_every_weight_from_parallel_layouts(tmp_path, flags):
     """FSDP shards every weight over both ranks; PP puts the last layers on rank 1: rank 0 writes them all."""
-    result = run_command(["./run_train.sh", *EXPORT_FLAGS, *flags, f"--job.dump_folder={tmp_path}"],
-                         env={"NGPU": "2", "CONFIG_FILE": CONFIG})
+    result = run_command([*trainer_command(2), "--job.config_file", CONFIG, *EXPORT_FLAGS, *flags,
+                          f"--job.dump_folder={tmp_path}"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     export, from_export, _ = load_export_and_checkpoint(CONFIG, tmp_path)
     adapter = get_train_spec("llama3").state_dict_adapter(from_export.args)

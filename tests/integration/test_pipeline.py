@@ -1,4 +1,4 @@
-"""Pipeline parallelism on CPU/gloo trains the same numbers as a single process (fp32, 6 steps, global batch 8)."""
+"""Pipeline parallelism on CPU/gloo trains the same numbers as a single process (fp32, 4 steps, global batch 8)."""
 
 from pathlib import Path
 
@@ -10,7 +10,6 @@ from tests.integration.parity import (
     assert_resumes_under_another_layout,
     assert_tiny_matches_single_process,
     rows_of,
-    train_matrix,
 )
 from torchtitan.distributed.pipeline_parallel import SCHEDULES
 
@@ -47,11 +46,9 @@ LAYOUTS = {
 COMPOSITIONS = [name for name in LAYOUTS if name not in SCHEDULES]
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory):
-    """Every schedule and composition above, the uneven cut by module names and a CSV schedule equal to 1F1B,
-    all with PP2: one launch per process count."""
-    folder = tmp_path_factory.mktemp("pipeline")
+def debug_layouts(folder: Path) -> dict[str, tuple[int, list[str]]]:
+    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture): every schedule and
+    composition above, the uneven cut by module names and a CSV schedule equal to 1F1B, all with PP2."""
     uneven = folder / "uneven.toml"
     uneven.write_text(f'extends = "{Path(CONFIG).resolve()}"\n[parallelism]\nmodule_fqns_per_model_part = '
                       '[["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "layers.4"], '
@@ -64,29 +61,29 @@ def pipeline_runs(tmp_path_factory):
         "csv_1f1b": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_schedule_csv",
                          str(csv)]),
     }
-    return train_matrix(folder, {name: (nproc, [*flags, *PP2]) for name, (nproc, flags) in layouts.items()})
+    return {name: (nproc, [*flags, *PP2]) for name, (nproc, flags) in layouts.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_schedule_matches_single_process(pipeline_runs, reference, schedule):
-    assert_matches(rows_of(pipeline_runs, schedule), reference)
+def test_every_schedule_matches_single_process(debug_runs, reference, schedule):
+    assert_matches(rows_of(debug_runs, schedule), reference)
 
 
 @pytest.mark.slow
-def test_explicit_module_names_per_stage(pipeline_runs, reference):
-    assert_matches(rows_of(pipeline_runs, "explicit_module_names"), reference)
+def test_explicit_module_names_per_stage(debug_runs, reference):
+    assert_matches(rows_of(debug_runs, "explicit_module_names"), reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", COMPOSITIONS)
-def test_pipeline_compositions_match_single_process(pipeline_runs, reference, layout):
-    assert_matches(rows_of(pipeline_runs, layout), reference)
+def test_pipeline_compositions_match_single_process(debug_runs, reference, layout):
+    assert_matches(rows_of(debug_runs, layout), reference)
 
 
 @pytest.mark.slow
-def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(pipeline_runs):
-    builtin, custom = rows_of(pipeline_runs, "1F1B"), rows_of(pipeline_runs, "csv_1f1b")
+def test_csv_schedule_equal_to_1f1b_gives_the_1f1b_losses(debug_runs):
+    builtin, custom = rows_of(debug_runs, "1F1B"), rows_of(debug_runs, "csv_1f1b")
     assert [r["loss"] for r in custom] == pytest.approx([r["loss"] for r in builtin], rel=1e-6)
     assert [r["grad_norm"] for r in custom] == pytest.approx([r["grad_norm"] for r in builtin], rel=1e-6)
 
