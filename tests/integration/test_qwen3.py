@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tests.conftest import run_module
-from tests.integration.parity import assert_matches, read_rows, rows_of, train_matrix
+from tests.integration.parity import STEPS, assert_matches, read_rows, rows_of, train_matrix
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"
@@ -57,8 +57,8 @@ def test_hf_export_loads_in_transformers_with_our_logits(exported):
     assert not torch.equal(fresh.layers["0"].attention.q_norm.weight, ours.layers["0"].attention.q_norm.weight)
 
 
-# Parity: fp32, global batch 8, seq 128, 6 steps; the same numbers as test_distributed.py asks of Llama.
-COMMON = [*FP32, "--training.seq_len", "128", "--training.steps", "6", "--metrics.log_freq", "1",
+# Parity: fp32, global batch 8, seq 128, parity.STEPS steps; the same numbers as test_distributed.py asks of Llama.
+COMMON = [*FP32, "--training.seq_len", "128", "--training.steps", str(STEPS), "--metrics.log_freq", "1",
           "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
 TIED = ["--experimental.custom_import", "tests.integration.tied_qwen3", "--model.name", "qwen3_tied"]
 RUNS = {
