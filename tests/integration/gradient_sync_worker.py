@@ -1,7 +1,8 @@
 """``torchtitan.train`` that also counts the gradient all-reduces across data-parallel replicas.
 
-Run by test_gradient_sync.py as the entry of a train_matrix job. Each rank writes ``{dump_folder}/all_reduces-rank{R}.json``
-with the FSDP2 / replicate units that hold parameters and the all-reduces their hooks saw.
+Run by test_gradient_sync.py as the entry of a train_matrix job. Each rank writes
+``{dump_folder}/all_reduces-rank{R}.json`` with the FSDP2 / replicate units that hold parameters and the
+all-reduces their hooks saw.
 """
 
 import json

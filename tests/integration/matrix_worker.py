@@ -2,8 +2,9 @@
 
 Started as ``torchrun ... -m tests.integration.matrix_worker SPEC.json``; SPEC holds a list of
 ``{"name": ..., "argv": [...], "entry": "module:function"}``. Each job goes through its entry (default
-``torchtitan.train:main``, which returns the exit code) as a launch of its own would, except that the default process group is kept for the next job (joining a second time in one
-process can hang on the launcher's store); each job still builds its own meshes. The exit codes go to
+``torchtitan.train:main``, which returns the exit code) as a launch of its own would, except that the
+default process group is kept for the next job (joining a second time in one process can hang on the
+launcher's store); each job still builds its own meshes. The exit codes go to
 ``SPEC.codes.json``; the first job that fails ends the matrix, so every rank stops at the same place.
 """
 
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 
 
 def run(spec_path: Path) -> int:

@@ -109,7 +109,8 @@ def train_matrix(folder: Path, layouts: dict[str, tuple[int, list[str]]], config
             elif name in codes:
                 results[name] = f"{name} exited {codes[name]}:\n{output}"
             else:
-                results[name] = f"{name} did not run (launch exit {result.returncode}; an earlier job failed):\n{output}"
+                results[name] = (f"{name} did not run (launch exit {result.returncode}; an earlier job "
+                                 f"failed):\n{output}")
     return results
 
 
