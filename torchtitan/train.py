@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.components.expert_load import ExpertLoadBalancer
 from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import count_valid_tokens
 from torchtitan.components.metrics import MetricsLogger
@@ -124,6 +125,13 @@ class Trainer:
             persistent_workers=training.dataloader.persistent_workers,
             text_column=training.dataset_text_column,
         )
+        self.expert_loads = None
+        if getattr(self.model_args, "moe", None) is not None:
+            self.expert_loads = ExpertLoadBalancer(
+                cfg.moe, self.model_parts, self.model_args, self.parallel_dims, global_sequences=global_batch,
+                local_tokens=training.local_batch_size * training.seq_len // self.parallel_dims.cp,
+                compute_dtype=compute_dtype(training), device=self.device,
+            )
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
         # Tokens one device accounts for per step: TP and CP ranks share their replica's tokens.
         self.tokens_per_device = global_batch * training.seq_len / self.parallel_dims.world_size
@@ -198,6 +206,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
         self.optimizer.step()
         self.converters.post_optimizer_hook(self.model_parts)
+        if self.expert_loads is not None:
+            self.expert_loads.after_step()
         self.lr_scheduler.step()
         # Only the ranks holding the last stage have a loss; the others add zero.
         return sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh), grad_norm
@@ -291,7 +301,8 @@ class Trainer:
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
         check_finite(step, loss_value, norm_value)
         if self.metrics.should_log(step, self.cfg.training.steps):
-            self.metrics.log(step, loss_value, norm_value, lr)
+            extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
+            self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
 

@@ -73,7 +73,8 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.update(step)
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
+        """Write one row; ``extra`` adds a component's own keys (e.g. the MoE expert loads, "moe/...")."""
         now = time.perf_counter()
         elapsed = max(now - self.last_time, 1e-9)
         tps = self.tokens_since_log / elapsed
@@ -93,6 +94,7 @@ class MetricsLogger:
             "step_time_s": round(elapsed / steps, 4),
             "data_time_s": round(self.data_seconds / steps, 4),
             "data_pct": round(100.0 * self.data_seconds / elapsed, 2),
+            **(extra or {}),
         }
         self.last_time = now
         self._reset_window()
@@ -125,6 +127,11 @@ class MetricsLogger:
             ("step_time", f"{row['step_time_s']:.3f}s", "\033[37m"),
             ("data", f"{row['data_time_s']:.3f}s ({row['data_pct']:.1f}%)", "\033[37m"),
         ]
+        if "moe/max_over_mean" in row:
+            # The busiest expert's load over the mean, averaged over the MoE layers (1.0 is perfect balance).
+            fields.append(("moe_load", f"{row['moe/max_over_mean']:.2f}", "\033[33m"))
+        if "moe/aux_loss" in row:
+            fields.append(("moe_aux", f"{row['moe/aux_loss']:.4g}", "\033[33m"))
         reset = "\033[0m"
         return "  ".join(f"{c}{k}: {v}{reset}" if self.color else f"{k}: {v}" for k, v, c in fields)
 

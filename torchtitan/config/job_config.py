@@ -145,7 +145,24 @@ class Parallelism:
     context_parallel_rotate_method: Literal["allgather", "ring"] = option(
         "allgather", "How K/V reach the other context-parallel ranks: allgather (once per layer) or ring (send/recv)"
     )
-    expert_parallel_degree: int = option(1, "Expert-parallel degree")
+    expert_parallel_degree: int = option(
+        1, "Expert-parallel degree: a MoE's experts are split over this many of the dp_shard x cp ranks")
+
+
+@dataclass
+class MoE:
+    bias_update_rate: float = option(
+        1e-3, "Auxiliary-loss-free balancing: after each step every expert's routing bias moves this much toward "
+        "the mean load, from the step's token counts over all ranks (0 = off)")
+    aux_loss_coeff: float = option(0.0, "Weight of the auxiliary load-balancing loss added to the training loss "
+                                   "(0 = off)")
+    aux_loss_type: Literal["sequence", "batch"] = option(
+        "sequence", "Auxiliary loss per sequence (averaged over the global batch) or per micro-batch of a rank")
+    router_dtype: Literal["float32", "compute"] = option(
+        "float32", "Dtype the router's gate computes in (compute: training.mixed_precision_param)")
+    expert_compute: Literal["auto", "grouped", "loop"] = option(
+        "auto", "How routed experts compute: one grouped GEMM, a loop over the experts, or auto (the faster of "
+        "the two on this device and dtype, measured once and cached)")
 
 
 @dataclass
@@ -173,6 +190,9 @@ class Checkpoint:
                                           "without training; one process only. Later runs with checkpoint.enable "
                                           "start from it under any layout")
     load_only: bool = option(False, "Load checkpoints but never save")
+    hf_drop_expert_bias: bool = option(
+        False, "Hugging Face exports of a MoE whose format has no routing bias drop the trained expert bias "
+        "(the largest value dropped is logged) instead of refusing")
 
 
 @dataclass
@@ -249,6 +269,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = section(LRScheduler, "Learning-rate schedule")
     training: Training = section(Training, "Data, batch and precision")
     parallelism: Parallelism = section(Parallelism, "Parallel layout")
+    moe: MoE = section(MoE, "Mixture-of-Experts training: load balancing, router precision, expert kernels")
     checkpoint: Checkpoint = section(Checkpoint, "Checkpointing")
     activation_checkpoint: ActivationCheckpoint = section(ActivationCheckpoint, "Activation checkpointing")
     compile: Compile = section(Compile, "torch.compile")

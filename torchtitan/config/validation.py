@@ -113,6 +113,8 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
         dims = ParallelDims.from_config(p, world_size)
     except ValueError as e:
         c.fail("parallelism.data_parallel_shard_degree", str(e))
+    if reason := dims.expert_parallel_problem():
+        c.fail("parallelism.expert_parallel_degree", reason)
     from torchtitan.distributed import context_parallel, tensor_parallel
 
     c.report("", tensor_parallel.config_problems(p, c.cfg.training, c.cfg.compile))
@@ -127,8 +129,13 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
 def _check_model(c: _Checker) -> None:
     from torchtitan.protocols.train_spec import model_config_problems
 
+    from torchtitan.components.expert_load import config_problems as moe_problems
+
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
+    adapter = spec.state_dict_adapter
+    c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
+                              hf_keeps_expert_bias=getattr(adapter, "hf_has_expert_bias", False)))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 
@@ -167,7 +174,6 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
     p = cfg.parallelism
-    c.not_yet("parallelism.expert_parallel_degree", p.expert_parallel_degree > 1, "expert parallelism")
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":

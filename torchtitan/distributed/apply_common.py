@@ -1,8 +1,8 @@
-"""Parallelizing a model, always in the order TP -> CP -> AC -> compile -> FSDP/HSDP or DDP.
+"""Parallelizing a model, always in the order TP (and EP) -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
 ``parallelize_decoder`` does it all for models built on the shared decoder (models/decoder.py). A
 model of another shape applies its own tensor-parallel plan and then calls
-``apply_ac_compile_and_data_parallel``, the model-independent rest.
+``apply_ac_compile_and_data_parallel``, the model-independent rest (MoE layers included).
 """
 
 from torch import nn
@@ -12,6 +12,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_context_parallel
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
+from torchtitan.distributed.expert_parallel import apply_moe_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
 
@@ -30,16 +31,19 @@ def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_confi
 def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: ParallelDims,
                                        job_config: JobConfig) -> nn.Module:
     ac, training, parallelism = job_config.activation_checkpoint, job_config.training, job_config.parallelism
+    has_moe = apply_moe_parallel(model, parallel_dims)
     if parallel_dims.cp_enabled:
         apply_context_parallel(model, parallel_dims.submesh("cp"), training.seq_len,
                                parallelism.context_parallel_rotate_method)
     apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model, job_config.compile.backend, fullgraph=not parallel_dims.cp_enabled)
+        # Context-parallel attention and the MoE's token counting and exchange run eagerly between graphs.
+        apply_compile(model, job_config.compile.backend, fullgraph=not (parallel_dims.cp_enabled or has_moe))
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
+            expert_mesh=parallel_dims.expert_fsdp_mesh(),
             param_dtype=training.mixed_precision_param,
             reduce_dtype=training.mixed_precision_reduce,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,

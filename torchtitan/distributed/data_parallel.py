@@ -4,8 +4,10 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.distributed.precision import DTYPES
+from torchtitan.models.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -16,10 +18,13 @@ def apply_fsdp(
     reshard_after_forward: str,
     pp_enabled: bool = False,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard the embeddings, each block, and norm+output together, then the root.
 
-    ``mesh`` is 1-D for FSDP or 2-D (replicate, shard) for HSDP.
+    ``mesh`` is 1-D for FSDP or 2-D (replicate, shard) for HSDP. Under expert parallelism ``expert_mesh`` is
+    what the experts (already sharded over the EP ranks) are sharded over: each MoE's experts are a unit of
+    their own on it, the rest of their block is sharded over ``mesh``.
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -34,6 +39,10 @@ def apply_fsdp(
     if embeddings is not None and not tied:
         fully_shard(embeddings, reshard_after_forward=reshard, **kwargs)
     for block in model.layers.values():
+        if expert_mesh is not None:
+            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+                fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh},
+                            shard_placement_fn=_expert_shard_placement(expert_mesh))
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     final = [m for m in ((embeddings if tied else None), norm, output) if m is not None]
     if final:
@@ -42,6 +51,18 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=reshard, **kwargs)
     _sum_gradients_on_every_unit(model)
     return model
+
+
+def _expert_shard_placement(expert_mesh: DeviceMesh):
+    # The local experts split over the FSDP ranks by expert when they divide evenly, else along the model
+    # width (FSDP would otherwise pad whole experts).
+    ranks = expert_mesh.size(-1)
+
+    def placement(param: nn.Parameter) -> Shard:
+        local_experts = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+        return Shard(0) if local_experts % ranks == 0 else Shard(1)
+
+    return placement
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

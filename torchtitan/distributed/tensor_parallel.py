@@ -5,11 +5,12 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -26,6 +27,28 @@ from torchtitan.distributed.device import device_type
 # parameter, make grad-norm clipping fail on the mix).
 _QK_NORM_PLAN = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
                  for name in ("attention.q_norm", "attention.k_norm")}
+
+
+def _feed_forward_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    if not getattr(block, "moe_enabled", False):
+        return {
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+    # A MoE takes the full sequence and returns partial sums over the TP ranks (each computes a slice of every
+    # expert's hidden width; distributed/expert_parallel.py), reduce-scattered to sequence shards. Its shared
+    # experts leave their output partial too; the router stays whole on every rank.
+    plan: dict[str, ParallelStyle] = {
+        "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Partial(),),
+                                        desired_output_layouts=(Shard(1),), use_local_output=True),
+    }
+    if block.moe.shared_experts is not None:
+        plan.update({"moe.shared_experts.w1": ColwiseParallel(), "moe.shared_experts.w3": ColwiseParallel(),
+                     "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial())})
+    return plan
 
 
 def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[tuple[str, str]]:
@@ -52,7 +75,7 @@ def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[t
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
                      extra_block_plan: dict[str, ParallelStyle] | None = None) -> None:
     """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
-    (tok_embeddings, layers.N.{attention_norm, attention.wq/wk/wv/wo, ffn_norm, feed_forward.w1/w2/w3},
+    (tok_embeddings, layers.N.{attention_norm, attention.wq/wk/wv/wo, ffn_norm, feed_forward.w1/w2/w3 or moe},
     norm, output), with QK-norm where the blocks have it; ``extra_block_plan`` adds a family's own modules.
 
     Between blocks activations are sharded on the sequence dimension; each block gathers them for
@@ -82,10 +105,7 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            **_feed_forward_plan(block),
             **(_QK_NORM_PLAN if getattr(block.attention, "q_norm", None) is not None else {}),
             **(extra_block_plan or {}),
         }

@@ -1,15 +1,17 @@
 """The decoder-only transformer the model families share, built from their DecoderArgs.
 
-embedding → n pre-norm blocks (grouped-query attention, SwiGLU feed-forward) → RMSNorm → output.
+embedding → n pre-norm blocks (grouped-query attention, a SwiGLU feed-forward or a Mixture-of-Experts) →
+RMSNorm → output.
 Only the math lives here; parallelism is applied from the outside (distributed/apply_common.py).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.attention import causal_attention
 from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.feed_forward import FeedForward
+from torchtitan.models.moe import MoE
 from torchtitan.models.rope import RopeConvention, apply_rope, rope_table
 from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
 
@@ -50,33 +52,27 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+    """Pre-norm residual block: h = x + attention(norm(x)); out = h + ffn(norm(h)), where ffn is the dense
+    ``feed_forward`` or, in a Mixture-of-Experts block, ``moe``."""
 
-    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: Attention, feed_forward: FeedForward):
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: Attention,
+                 feed_forward: FeedForward | MoE):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = attention
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = feed_forward
+        self.moe_enabled = isinstance(feed_forward, MoE)
+        if self.moe_enabled:
+            self.moe = feed_forward
+        else:
+            self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Decoder(nn.Module):
@@ -100,7 +96,8 @@ class Decoder(nn.Module):
         a = self.args
         attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, a.rope_convention,
                               qk_norm_eps=a.norm_eps if a.qk_norm else None)
-        return TransformerBlock(layer_id, a.dim, a.norm_eps, attention, FeedForward(a.dim, a.ffn_hidden_dim))
+        ffn = MoE(a.dim, a.moe) if a.is_moe_layer(layer_id) else FeedForward(a.dim, a.ffn_hidden_dim)
+        return TransformerBlock(layer_id, a.dim, a.norm_eps, attention, ffn)
 
     def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
         return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device)
@@ -124,6 +121,9 @@ class Decoder(nn.Module):
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise from ``seed``; identical on any parallel layout (see seeded_init)."""
         self.rope = self._rope_table(buffer_device or self.rope.device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.init_buffers(buffer_device)
         self.tie_weights()
         for name, param in self.named_parameters():
             name = canonical_name(name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan.models.moe import MoEArgs
 from torchtitan.models.rope import RopeConvention, rope_frequencies
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -34,6 +35,10 @@ class DecoderArgs(BaseModelArgs):
     """Set to training.seq_len by finalize()."""
     tie_embeddings: bool = False
     """The output projection shares the embedding table."""
+    moe: MoEArgs | None = None
+    """Mixture-of-Experts feed-forward in place of the dense one (None: every block is dense)."""
+    n_dense_layers: int = 0
+    """With moe: the first this many blocks keep the dense feed-forward (DeepSeek-V3: 3)."""
 
     @property
     def head_dim(self) -> int:
@@ -47,6 +52,13 @@ class DecoderArgs(BaseModelArgs):
     def ffn_hidden_dim(self) -> int:
         """Width of the SwiGLU feed-forward."""
         raise NotImplementedError(f"{type(self).__name__} must define ffn_hidden_dim")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id >= self.n_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def rope_frequencies(self) -> torch.Tensor:
         """The head_dim/2 RoPE frequencies (a family overrides this to rescale them)."""
@@ -65,18 +77,34 @@ class DecoderArgs(BaseModelArgs):
             problems.append(("head_dim", f"{self.head_dim} must be even for RoPE (it rotates channel pairs)"))
         if self.n_heads % self.kv_heads:
             problems.append(("n_kv_heads", f"{self.kv_heads} does not divide n_heads={self.n_heads}"))
+        if self.moe is not None:
+            problems += [(f"moe.{name}", reason) for name, reason in self.moe.check()]
+            if not 0 <= self.n_dense_layers <= self.n_layers:
+                problems.append(("n_dense_layers", f"{self.n_dense_layers} must be in [0, n_layers={self.n_layers}]"))
         return problems
 
     def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
-        # Each rank holds whole query heads and whole key/value heads (QK-norm then works per local head).
+        # Each rank holds whole query heads and whole key/value heads (QK-norm then works per local head),
+        # and a slice of every expert's hidden width.
+        sizes = [("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)]
+        if self.moe is not None:
+            sizes += [("moe.hidden_dim", self.moe.hidden_dim), ("moe.shared_hidden_dim", self.moe.shared_hidden_dim)]
         return [(name, f"{value} is not divisible by the tensor-parallel degree {tp}")
-                for name, value in (("n_heads", self.n_heads), ("n_kv_heads", self.kv_heads)) if value % tp]
+                for name, value in sizes if value % tp]
+
+    def active_params(self, num_params_without_embedding: int) -> int:
+        """Of the non-embedding parameters, those a token computes with: a MoE layer's routed experts count
+        top_k of num_experts (the router and the shared experts count whole)."""
+        if self.moe is None:
+            return num_params_without_embedding
+        idle = self.moe.routed_params(self.dim) * (self.moe.num_experts - self.moe.top_k) // self.moe.num_experts
+        return num_params_without_embedding - self.n_moe_layers * idle
 
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        # 6 FLOPs per weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
+        # 6 FLOPs per active weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
         # attention scores and weighted values (forward + backward, causal mask not discounted).
         # A tied output projection is still a matmul per token, but count_params drops it with the
         # embedding table it shares, so it is added back here.
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         tied_output = self.vocab_size * self.dim if self.tie_embeddings and self.vocab_size else 0
-        return 6.0 * (num_params_without_embedding + tied_output) + attention
+        return 6.0 * (self.active_params(num_params_without_embedding) + tied_output) + attention

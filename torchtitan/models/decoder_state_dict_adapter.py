@@ -3,12 +3,19 @@
 A family adds its own per-layer names, its config.json identity and extra keys. Hugging Face's Llama
 and Qwen3 rotate the two halves of each head in RoPE; for a family whose RoPE rotates adjacent pairs
 (args.rope_convention = "pairs") the q and k projection rows are permuted between the two layouts.
+
+Mixture-of-Experts blocks store their experts stacked (``moe.experts.w1`` of shape (E, dim, hidden)); Hugging
+Face checkpoints name each expert's matrices (``mlp.experts.{j}.gate_proj.weight``, (hidden, dim)), which
+transformers 5 still writes although it fuses them in memory. Both directions convert, and the fused form
+(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) is read too.
 """
 
 import re
 from typing import ClassVar
 
 import torch
+
+from torchtitan.log import logger
 
 # Our name within layers.N -> the Hugging Face name within model.layers.N.
 DECODER_LAYER_NAMES = {
@@ -29,6 +36,11 @@ DECODER_TOP_NAMES = {
 }
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Our stacked expert matrices -> the per-expert Hugging Face projection (ours are transposed: x @ w).
+EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OUR_EXPERTS = re.compile(r"^moe\.experts\.(w[123])$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
+_HF_FUSED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -43,15 +55,21 @@ def _halves_to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 class DecoderStateDictAdapter:
     """Renames every tensor; subclasses set ``family``, ``hf_architecture``, ``hf_model_type`` and
-    ``extra_layer_names`` and may add config keys (``extra_hf_config``) or convert tensors."""
+    ``extra_layer_names`` and may add config keys (``extra_hf_config``) or convert tensors.
+
+    A MoE family maps its router (and shared experts, routing bias) in ``extra_layer_names``; the stacked
+    experts map here. Where its format has no routing bias (``hf_has_expert_bias`` False) a trained, non-zero
+    bias is refused on export, or dropped with ``drop_expert_bias``."""
 
     family: ClassVar[str] = "decoder"
     hf_architecture: ClassVar[str] = ""
     hf_model_type: ClassVar[str] = ""
     extra_layer_names: ClassVar[dict[str, str]] = {}
+    hf_has_expert_bias: ClassVar[bool] = False
 
-    def __init__(self, args):
+    def __init__(self, args, drop_expert_bias: bool = False):
         self.args = args
+        self.drop_expert_bias = drop_expert_bias
         self._layer_to_hf = {**DECODER_LAYER_NAMES, **self.extra_layer_names}
         self._layer_from_hf = {hf: ours for ours, hf in self._layer_to_hf.items()}
         self._top_from_hf = {hf: ours for ours, hf in DECODER_TOP_NAMES.items()}
@@ -105,6 +123,16 @@ class DecoderStateDictAdapter:
         """The family's own config.json keys."""
         return {}
 
+    @staticmethod
+    def _from_fused_experts(layer: str, hf: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        # transformers' in-memory layout: gate_up_proj (E, 2 * hidden, dim) with the gate first, down_proj
+        # (E, dim, hidden).
+        prefix = f"layers.{layer}.moe.experts"
+        if hf == "down_proj":
+            return {f"{prefix}.w2": tensor.transpose(1, 2).contiguous()}
+        gate, up = tensor.chunk(2, dim=1)
+        return {f"{prefix}.w1": gate.transpose(1, 2).contiguous(), f"{prefix}.w3": up.transpose(1, 2).contiguous()}
+
     def _hf_name(self, name: str) -> str:
         if (match := _OURS.match(name)) and match.group(2) in self._layer_to_hf:
             return f"model.layers.{match.group(1)}.{self._layer_to_hf[match.group(2)]}"
@@ -120,17 +148,61 @@ class DecoderStateDictAdapter:
         raise KeyError(f"unexpected Hugging Face weight '{name}' for a {self.family} model")
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {self._hf_name(name): self.tensor_to_hf(name, t) for name, t in state.items()}
+        out, dropped = {}, {}
+        for name, tensor in state.items():
+            match = _OURS.match(name)
+            layer, local = (match.group(1), match.group(2)) if match else (None, name)
+            if layer is not None and (experts := _OUR_EXPERTS.match(local)):
+                hf = EXPERT_NAMES[experts.group(1)]
+                for j, matrix in enumerate(tensor.unbind(0)):
+                    out[f"model.layers.{layer}.mlp.experts.{j}.{hf}.weight"] = matrix.T.contiguous()
+            elif layer is not None and local == "moe.expert_bias" and not self.hf_has_expert_bias:
+                dropped[name] = tensor
+            else:
+                out[self._hf_name(name)] = self.tensor_to_hf(name, tensor)
+        self._check_dropped_bias(dropped)
         if self.args.tie_embeddings:
             # Released tied checkpoints store only the embedding; safetensors also refuses shared storage.
             out.pop("lm_head.weight", None)
         return out
 
+    def _check_dropped_bias(self, biases: dict[str, torch.Tensor]) -> None:
+        """The format has no routing bias: exporting a trained (non-zero) one would change which experts
+        the exported model picks, so it is refused unless the user asked to drop it."""
+        largest = max(((t.abs().max().item(), name) for name, t in biases.items()), default=(0.0, ""))
+        if largest[0] == 0.0:
+            return
+        if not self.drop_expert_bias:
+            raise ValueError(f"{largest[1]} is non-zero (largest |bias| {largest[0]:.4g}) but {self.hf_architecture} "
+                             "has no routing bias, so the export would route tokens differently; set "
+                             "checkpoint.hf_drop_expert_bias (scripts/convert_to_hf.py --drop_expert_bias) to drop it")
+        logger.warning(f"dropped the experts' routing bias from the {self.hf_architecture} export; the largest "
+                       f"was {largest[0]:.4g} in {largest[1]}")
+
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         for name, tensor in state.items():
+            match = _HF.match(name)
+            if match and (expert := _HF_EXPERT.match(match.group(2))):
+                experts.setdefault((match.group(1), expert.group(2)), {})[int(expert.group(1))] = tensor
+                continue
+            if match and (fused := _HF_FUSED_EXPERTS.match(match.group(2))):
+                out.update(self._from_fused_experts(match.group(1), fused.group(1), tensor))
+                continue
             ours = self._our_name(name)
             out[ours] = self.tensor_from_hf(ours, tensor)
+        hf_to_ours = {hf: ours for ours, hf in EXPERT_NAMES.items()}
+        for (layer, hf), by_index in experts.items():
+            if sorted(by_index) != list(range(len(by_index))):
+                raise KeyError(f"model.layers.{layer}.mlp.experts: expert indices {sorted(by_index)} are not 0..N-1")
+            out[f"layers.{layer}.moe.experts.{hf_to_ours[hf]}"] = torch.stack(
+                [by_index[j].T for j in range(len(by_index))])
+        if self.args.moe is not None and not self.hf_has_expert_bias:
+            # The format routes without a bias: ours starts at zero, which routes the same way.
+            for layer in range(self.args.n_layers):
+                if self.args.is_moe_layer(layer):
+                    out[f"layers.{layer}.moe.expert_bias"] = torch.zeros(self.args.moe.num_experts)
         if "tok_embeddings.weight" in out:
             if "output.weight" not in out:
                 out["output.weight"] = out["tok_embeddings.weight"]  # a tied file stores the table once

@@ -71,7 +71,7 @@ def decoder_fill(name: str, dim: int, tie_embeddings: bool) -> FillFn:
         return normal_(dim**-0.5) if tie_embeddings else normal_(1.0, truncate=False)
     if name.startswith("output"):
         return normal_(dim**-0.5)
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         # Projections back into the residual stream shrink with depth to keep its variance bounded.
         layer_id = int(name.split(".")[1])
         return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))

@@ -1,0 +1,216 @@
+"""The MoE layer (models/moe.py) against plain references: fp32, fresh random inputs every run."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan.models.moe import GroupedExperts, MoE, MoEArgs, Router
+
+DIM, HIDDEN = 32, 16
+
+
+def _moe(seed: int, **overrides) -> MoE:
+    args = MoEArgs(**{"num_experts": 8, "top_k": 2, "hidden_dim": HIDDEN, **overrides})
+    moe = MoE(DIM, args)
+    moe.init_buffers(torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return moe
+
+
+def _expert_grads(experts: GroupedExperts) -> list[torch.Tensor]:
+    return [experts.w1.grad.clone(), experts.w2.grad.clone(), experts.w3.grad.clone()]
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 3, 0, 9, 1, 7], [32, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 32]])
+def test_grouped_path_equals_the_loop_forward_and_backward(counts):
+    """Including experts with no token and one expert receiving every token."""
+    experts = GroupedExperts(DIM, HIDDEN, len(counts))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.randn(sum(counts), DIM, requires_grad=True)
+    grad_out = torch.randn(sum(counts), DIM)
+    results = {}
+    for path in ("grouped", "loop"):
+        experts.path = path
+        experts.zero_grad()
+        x.grad = None
+        out = experts(x, torch.tensor(counts))
+        out.backward(grad_out)
+        results[path] = (out.detach(), x.grad.clone(), *_expert_grads(experts))
+    for grouped, loop in zip(results["grouped"], results["loop"]):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)
+    # An expert without tokens gets a zero gradient, not none: every rank's gradient reduction expects one.
+    idle = [e for e, c in enumerate(counts) if c == 0]
+    assert all(results["grouped"][2][e].abs().sum() == 0 for e in idle)
+
+
+def _dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, mixed with the top-k weights (zero for the experts not chosen)."""
+    tokens = x.reshape(-1, DIM)
+    weights, indices, _ = moe.router(tokens, moe.expert_bias, torch.float32)
+    mix = torch.zeros(tokens.shape[0], moe.args.num_experts).scatter(1, indices, weights)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    every = torch.stack([(F.silu(tokens @ w1[e]) * (tokens @ w3[e])) @ w2[e] for e in range(moe.args.num_experts)], 1)
+    out = (every * mix.unsqueeze(-1)).sum(1)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(tokens)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+@pytest.mark.parametrize("overrides", [{}, {"score_func": "sigmoid", "route_scale": 2.5, "shared_hidden_dim": 24},
+                                       {"n_groups": 4, "topk_group": 2, "top_k": 3, "route_norm": False}])
+def test_dropless_output_and_gradients_equal_a_dense_computation(path, overrides):
+    moe = _moe(seed=torch.randint(0, 2**31, ()).item(), **overrides)
+    moe.experts.path = path
+    x = torch.randn(3, 11, DIM, requires_grad=True)
+    out = moe(x)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ours = [x.grad.clone(), *(p.grad.clone() for p in moe.parameters())]
+    moe.zero_grad()
+    x.grad = None
+    expected = _dense_reference(moe, x)
+    expected.backward(grad_out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for name, mine, ref in zip(["x", *(n for n, _ in moe.named_parameters())], ours,
+                               [x.grad, *(p.grad for p in moe.parameters())]):
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_router_matches_a_hand_computation_with_groups_bias_and_scale():
+    args = MoEArgs(num_experts=8, top_k=2, score_func="sigmoid", route_norm=True, route_scale=2.5, n_groups=4,
+                   topk_group=2)
+    router = Router(DIM, args)
+    x = torch.randn(64, DIM)
+    bias = torch.randn(8) * 0.5
+    weights, indices, scores = router(x, bias, torch.float32)
+    expected_scores = torch.sigmoid(x @ router.gate.weight.T)
+    torch.testing.assert_close(scores, expected_scores)
+    for t in range(64):
+        choice = expected_scores[t] + bias
+        # A group's score is the sum of its two best (biased) scores; the best 2 of 4 groups are eligible.
+        groups = choice.view(4, 2).sum(-1)
+        eligible = [g for g in groups.argsort(descending=True)[:2].tolist()]
+        candidates = [e for e in range(8) if e // 2 in eligible]
+        best = sorted(candidates, key=lambda e: -choice[e].item())[:2]
+        assert sorted(indices[t].tolist()) == sorted(best)
+        # The weights are the unbiased scores of the chosen experts, renormalised, times the route scale.
+        unbiased = expected_scores[t, indices[t]]
+        torch.testing.assert_close(weights[t], 2.5 * unbiased / unbiased.sum())
+
+
+def test_expert_bias_changes_the_choice_not_the_weights():
+    moe = _moe(seed=1)
+    x = torch.randn(2, 16, DIM)
+    moe.expert_bias[3] = 100.0  # every token takes expert 3 ...
+    moe.expert_bias[5] = -100.0  # ... and none expert 5
+    weights, indices, scores = moe.router(x.view(-1, DIM), moe.expert_bias, torch.float32)
+    assert (indices == 3).any(dim=1).all() and not (indices == 5).any()
+    torch.testing.assert_close(weights, scores.gather(1, indices) / scores.gather(1, indices).sum(1, keepdim=True))
+
+
+def test_loads_count_training_forwards_once_even_with_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _moe(seed=2)
+    x = torch.randn(2, 16, DIM, requires_grad=True)
+    with torch.no_grad():
+        moe(x)  # validation: not counted
+    assert moe.tokens_per_expert.sum() == 0
+    checkpoint(moe, x, use_reentrant=False).sum().backward()  # the recomputation in backward is not counted
+    assert moe.tokens_per_expert.sum() == 2 * 16 * 2
+    _, indices, _ = moe.router(x.detach().view(-1, DIM), moe.expert_bias, torch.float32)
+    assert moe.tokens_per_expert.tolist() == torch.bincount(indices.flatten(), minlength=8).tolist()
+
+
+def _aux_reference(scores, indices, bsz, seqlen, k, num_experts, per_sequence):
+    """coeff-free load-balancing loss: sum_i f_i * P_i, per sequence and averaged, or over the whole batch."""
+    scores, indices = scores.view(bsz, seqlen, -1), indices.view(bsz, seqlen, -1)
+    if not per_sequence:
+        scores, indices = scores.reshape(1, bsz * seqlen, -1), indices.reshape(1, bsz * seqlen, -1)
+    total = 0.0
+    for s, i in zip(scores, indices):
+        f = torch.bincount(i.flatten(), minlength=num_experts).float() * num_experts / (k * i.shape[0])
+        total += (f * s.mean(0)).sum()
+    return total / (bsz if per_sequence else 1)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "batch"])
+def test_aux_loss_value_and_gradient_join_the_loss(kind):
+    moe = _moe(seed=3)
+    moe.aux_loss_coeff, moe.aux_loss_type = 0.01, kind
+    bsz, seqlen = 4, 9
+    moe.aux_loss_per_sequence_scale = 1.0 / bsz  # the whole global batch is this one micro-batch
+    x = torch.randn(bsz, seqlen, DIM)
+    moe(x).sum().backward()
+    gate_grad = moe.router.gate.weight.grad.clone()
+    _, indices, scores = moe.router(x.view(-1, DIM), moe.expert_bias, torch.float32)
+    expected = 0.01 * _aux_reference(scores, indices, bsz, seqlen, 2, 8, per_sequence=kind == "sequence")
+    assert moe.aux_loss_sum.item() == pytest.approx(expected.item(), rel=1e-5)
+    # The same model without the auxiliary loss, plus the reference loss's own gradient.
+    moe.zero_grad()
+    moe.aux_loss_coeff = 0.0
+    (moe(x).sum() + expected).backward()
+    torch.testing.assert_close(gate_grad, moe.router.gate.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_sequence_aux_loss_sums_over_micro_batches_to_the_global_mean():
+    moe = _moe(seed=4)
+    moe.aux_loss_coeff, moe.aux_loss_type, moe.aux_loss_per_sequence_scale = 0.1, "sequence", 1.0 / 6
+    x = torch.randn(6, 8, DIM)
+    moe(x).sum().backward()
+    whole, grad = moe.aux_loss_sum.item(), moe.router.gate.weight.grad.clone()
+    moe.init_buffers()
+    moe.zero_grad()
+    for half in x.split(3):
+        moe(half).sum().backward()
+    assert moe.aux_loss_sum.item() == pytest.approx(whole, rel=1e-6)
+    torch.testing.assert_close(moe.router.gate.weight.grad, grad, rtol=1e-4, atol=1e-5)
+
+
+def test_router_computes_in_float32_under_autocast_unless_told_otherwise():
+    moe = _moe(seed=5)
+    x = torch.randn(2, 8, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, fp32_scores = moe.router(x.view(-1, DIM), None, torch.float32)
+        _, _, bf16_scores = moe.router(x.view(-1, DIM), None, None)
+    exact = torch.softmax(x.view(-1, DIM) @ moe.router.gate.weight.T, -1)
+    assert (fp32_scores - exact).abs().max() < 1e-6
+    assert (bf16_scores - exact).abs().max() > 1e-5  # the gate ran in bfloat16
+
+
+def test_args_check_names_the_field():
+    assert MoEArgs(num_experts=4, top_k=5).check()[0][0] == "top_k"
+    assert MoEArgs(num_experts=6, n_groups=4).check()[0][0] == "n_groups"
+    assert MoEArgs(num_experts=8, n_groups=4, topk_group=1, top_k=3).check()[0][0] == "top_k"
+    assert MoEArgs().check() == []
+
+
+def test_flops_per_token_counts_active_parameters_by_hand():
+    from torchtitan.models.decoder import Decoder
+    from torchtitan.models.qwen3_moe import qwen3_moe_flavors
+    from torchtitan.protocols import count_params
+
+    args = qwen3_moe_flavors["debugmodel"].finalize(tokenizer_vocab_size=100, seq_len=32)
+    with torch.device("meta"):
+        model = Decoder(args)
+    dim, layers, heads, head_dim, kv = 64, 4, 4, 16, 2
+    attention = dim * heads * head_dim * 2 + dim * kv * head_dim * 2 + 2 * head_dim  # q, o; k, v; q/k norms
+    router = 8 * dim
+    active_experts = 2 * 3 * dim * 32  # top 2 of 8 experts, SwiGLU of width 32
+    norms = 2 * dim
+    per_layer = attention + router + active_experts + norms
+    active = layers * per_layer + dim + 100 * dim  # blocks, final norm, output projection
+    expected = 6 * active + 12 * layers * heads * head_dim * 32
+    assert args.flops_per_token(count_params(model, exclude_embedding=True), 32) == expected
+    # The same count for a dense model with all 8 experts active would be larger by the idle experts.
+    assert count_params(model, exclude_embedding=True) - args.active_params(count_params(model, True)) == \
+        layers * 6 * 3 * dim * 32
+    assert math.isclose(expected, 6 * active + 12 * 4 * 4 * 16 * 32)

@@ -1,0 +1,247 @@
+"""Mixture-of-Experts training around the layer: the [moe] options, the expert kernel choice, and the expert
+loads after every step (auxiliary-loss-free balancing and the load metrics).
+
+After each optimizer step the tokens every expert received, summed over the step's micro-batches, are summed
+over every data-parallel and context-parallel rank (expert-parallel ranks are among them; tensor-parallel
+ranks route the same tokens and are not summed), so all ranks see the same loads. With
+``moe.bias_update_rate`` r > 0 each expert's routing bias then moves by r * sign(mean load - load): an
+overloaded expert becomes less likely to be chosen, an idle one more. The bias steers the choice only, never
+the weights (models/moe.py).
+"""
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan.cache import cache_dir
+from torchtitan.config.job_config import Checkpoint as CheckpointConfig
+from torchtitan.config.job_config import MoE as MoEConfig
+from torchtitan.distributed.collectives import sum_over
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.log import logger
+from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
+
+EXPERT_PATH_CACHE_VERSION = 1
+# The kernel timing stays small: at most this many tokens, and none for experts larger than this many bytes
+# (the grouped kernel is then taken where it runs).
+_TIMING_MAX_TOKENS = 8192
+_TIMING_MAX_BYTES = 256 * 2**20
+
+
+def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, checkpoint: CheckpointConfig,
+                    hf_keeps_expert_bias: bool) -> list[tuple[str, str]]:
+    """Problems with the [moe] section and expert parallelism for ``model_args`` (None: unknown), as
+    (full key, reason) pairs. ``hf_keeps_expert_bias``: the family's Hugging Face format has a routing bias."""
+    problems = []
+    if cfg.bias_update_rate < 0:
+        problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 (0 turns the balancing off)"))
+    if cfg.aux_loss_coeff < 0:
+        problems.append(("moe.aux_loss_coeff", "is invalid; it must be >= 0 (0 turns the loss off)"))
+    if model_args is None or problems:
+        return problems
+    moe = getattr(model_args, "moe", None)
+    if moe is None:
+        # An option that would silently do nothing on a dense model is refused.
+        if expert_parallel_degree > 1:
+            problems.append(("parallelism.expert_parallel_degree", "needs a model with MoE layers; this "
+                             "model.flavor has none"))
+        if cfg.aux_loss_coeff > 0:
+            problems.append(("moe.aux_loss_coeff", "is set, but this model.flavor has no MoE layers"))
+        return problems
+    if moe.num_experts % expert_parallel_degree:
+        problems.append(("parallelism.expert_parallel_degree", f"does not divide the model's moe.num_experts = "
+                                                               f"{moe.num_experts}"))
+    if checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and not hf_keeps_expert_bias and \
+            not checkpoint.hf_drop_expert_bias:
+        problems.append(("checkpoint.last_save_in_hf", "would export a routing bias that moe.bias_update_rate > 0 "
+                         "trains, but this model's Hugging Face format has none, so the export would route "
+                         "differently; set checkpoint.hf_drop_expert_bias = true to drop it, or moe.bias_update_rate "
+                         "= 0"))
+    return problems
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[tuple[int, MoE]]:
+    """(layer id, MoE) of every MoE block on this rank, by the block's name under ``layers``."""
+    found = []
+    for part in model_parts:
+        for name, block in part.layers.items():
+            found += [(int(name), m) for m in block.modules() if isinstance(m, MoE)]
+    return found
+
+
+def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
+                       device: torch.device) -> tuple[str, str]:
+    """("grouped" or "loop", why) for ``moe.expert_compute = requested`` on experts of this rank's shape
+    (``num_experts`` local experts of ``dim`` x ``hidden``, ``tokens`` routed rows per micro-batch).
+
+    ``auto`` times both paths' forward and backward once per device, dtype and shape (cached beside the CPU
+    peak); global rank 0 measures and the others follow, so every rank computes the same way. Every rank
+    must call it.
+    """
+    meta = {"device": "meta", "dtype": dtype}
+    runs = grouped_mm_supported(torch.empty(0, dim, **meta), torch.empty(num_experts, dim, hidden, **meta),
+                                torch.empty(num_experts, hidden, dim, **meta)) and \
+        (device.type != "cuda" or dtype == torch.bfloat16)
+    if requested != "auto":
+        if requested == "grouped" and not runs:
+            return "loop", (f"moe.expert_compute = 'grouped', but torch._grouped_mm cannot run {dtype} experts of "
+                            f"width {dim} x {hidden} on {device.type} (16-byte row strides); using the loop")
+        return requested, "as configured"
+    if not runs:
+        return "loop", f"auto: torch._grouped_mm cannot run {dtype} experts of width {dim} x {hidden} on {device.type}"
+    if 3 * num_experts * dim * hidden * torch.finfo(dtype).bits // 8 > _TIMING_MAX_BYTES:
+        return "grouped", "auto: the grouped GEMM (experts too large to time both paths)"
+    tokens = min(tokens, _TIMING_MAX_TOKENS)
+    key = f"{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|torch {torch.__version__}"
+    cached = _read_cache().get(key)
+    timings = cached or (_measure(num_experts, dim, hidden, tokens, dtype, device) if _rank() == 0 else None)
+    if cached is None and _rank() == 0:
+        _write_cache(key, timings)
+    path = "grouped" if timings is None or timings["grouped"] <= timings["loop"] else "loop"
+    if dist.is_initialized():
+        # Every rank computes the way global rank 0 measured (ranks timing at once would disturb each other).
+        # A CPU tensor: the trainer's process group has a gloo side for those next to NCCL.
+        choice = torch.tensor([path == "grouped"], dtype=torch.int64)
+        dist.broadcast(choice, src=0)
+        path = "grouped" if choice.item() else "loop"
+    how = f"{timings['grouped'] * 1e3:.2f} ms grouped vs {timings['loop'] * 1e3:.2f} ms loop" if timings else \
+        "as measured on rank 0"
+    return path, f"auto: {how} for {num_experts} experts of {dim} x {hidden}, {tokens} tokens, {dtype}"
+
+
+def _measure(num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
+             device: torch.device, repeats: int = 3) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(0)
+    experts = GroupedExperts(dim, hidden, num_experts)
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.copy_(torch.randn(w.shape, generator=generator) * 0.02)
+    experts = experts.to(device, dtype)
+    x = torch.randn(tokens, dim, generator=generator).to(device, dtype).requires_grad_()
+    counts = torch.full((num_experts,), tokens // num_experts, dtype=torch.int64, device=device)
+    counts[: tokens % num_experts] += 1
+    grad = torch.randn(tokens, dim, generator=generator).to(device, dtype)
+    best = {}
+    for path in ("grouped", "loop"):
+        experts.path, best[path] = path, math.inf
+        for i in range(repeats + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            experts(x, counts).backward(grad)
+            _synchronize(device)
+            if i:  # the first run warms up
+                best[path] = min(best[path], time.perf_counter() - start)
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from torchtitan.components.peak_flops import cpu_model
+
+    return f"cpu {cpu_model()} x{torch.get_num_threads()}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _cache_file():
+    return cache_dir() / "expert_path.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("entries", {}) if data.get("version") == EXPERT_PATH_CACHE_VERSION else {}
+
+
+def _write_cache(key: str, timings: dict[str, float]) -> None:
+    entries = {**_read_cache(), key: timings}
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": EXPERT_PATH_CACHE_VERSION, "entries": entries}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home only costs a measurement next time
+        logger.warning(f"could not cache the MoE expert timing in {path}: {e}")
+
+
+class ExpertLoadBalancer:
+    """Configures every MoE layer of the model parts from [moe], then, after every optimizer step, sums the
+    expert loads over the data-parallel ranks, moves the routing biases, and makes the load metrics."""
+
+    def __init__(self, cfg: MoEConfig, model_parts: list[nn.Module], model_args, parallel_dims: ParallelDims,
+                 global_sequences: int, local_tokens: int, compute_dtype: torch.dtype, device: torch.device):
+        """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums)."""
+        self.cfg = cfg
+        self.layers = moe_layers(model_parts)
+        self.n_layers = model_args.n_layers
+        self.device = device
+        self.data_mesh = parallel_dims.submesh("dp_cp")
+        self.pp_mesh = parallel_dims.submesh("pp")
+        moe_args = model_args.moe
+        self.counts = torch.zeros(self.n_layers, moe_args.num_experts, dtype=torch.int64, device=device)
+        path, why = choose_expert_path(cfg.expert_compute, moe_args.num_experts // parallel_dims.ep, model_args.dim,
+                                       moe_args.hidden_dim // parallel_dims.tp, local_tokens * moe_args.top_k,
+                                       compute_dtype, device)
+        for _, moe in self.layers:
+            moe.router_dtype = torch.float32 if cfg.router_dtype == "float32" else None
+            moe.aux_loss_coeff = cfg.aux_loss_coeff
+            moe.aux_loss_type = cfg.aux_loss_type
+            moe.aux_loss_per_sequence_scale = 1.0 / global_sequences
+            moe.experts.path = path
+        balancing = f"bias update rate {cfg.bias_update_rate:g}" if cfg.bias_update_rate > 0 else "no routing bias"
+        aux = f"aux loss {cfg.aux_loss_coeff:g} ({cfg.aux_loss_type})" if cfg.aux_loss_coeff > 0 else "no aux loss"
+        logger.info(f"MoE: {len(self.layers)} MoE layers here; routed experts compute with the {path} path ({why}); "
+                    f"{balancing}; {aux}; router in {cfg.router_dtype}")
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Sum this step's loads over the data-parallel ranks and move the routing biases (every rank alike)."""
+        counts = torch.zeros_like(self.counts)
+        for layer_id, moe in self.layers:
+            counts[layer_id] = moe.tokens_per_expert
+            moe.tokens_per_expert.zero_()
+        self.counts = sum_over(counts, self.data_mesh)
+        if self.cfg.bias_update_rate > 0:
+            for layer_id, moe in self.layers:
+                load = self.counts[layer_id].float()
+                moe.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def metrics(self) -> dict[str, float]:
+        """Per-layer loads of the last step (max and mean tokens per expert, the busiest expert's share of the
+        routed tokens) and their summary, plus the auxiliary loss since the last call; every rank calls it."""
+        aux = torch.zeros((), dtype=torch.float32, device=self.device)
+        for _, moe in self.layers:
+            aux += moe.aux_loss_sum.to(self.device)
+            moe.aux_loss_sum = torch.zeros_like(aux)
+        counts = sum_over(self.counts, self.pp_mesh).float()
+        aux = sum_over(sum_over(aux, self.data_mesh), self.pp_mesh)
+        row = {}
+        ratios = []
+        for layer_id in sorted({layer_id for layer_id in range(self.n_layers) if counts[layer_id].sum() > 0}):
+            load = counts[layer_id]
+            busiest, mean = load.max().item(), load.mean().item()
+            row[f"moe/layer{layer_id}/max_tokens"] = busiest
+            row[f"moe/layer{layer_id}/mean_tokens"] = mean
+            row[f"moe/layer{layer_id}/busiest_fraction"] = round(busiest / load.sum().item(), 6)
+            ratios.append(busiest / mean)
+        summary = {"moe/max_over_mean": round(sum(ratios) / len(ratios), 4)} if ratios else {}
+        if self.cfg.aux_loss_coeff > 0:
+            summary["moe/aux_loss"] = float(aux)
+        return {**summary, **row}

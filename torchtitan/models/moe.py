@@ -1,0 +1,343 @@
+"""The Mixture-of-Experts feed-forward every MoE family shares: router, stacked experts, shared experts.
+
+One MoE step, as data: tokens -> router scores (float32 by default) -> top-k experts per token (a per-expert
+bias may steer the choice, never the weights) -> tokens sorted by expert -> each expert's SwiGLU over its
+tokens (dropless: every routed token is computed) -> back in token order, weighted, summed over the k
+choices -> plus the shared experts (a SwiGLU every token goes through).
+
+The layer holds no communication. Expert parallelism swaps ``expert_exchange`` for one that sends each
+token to the rank holding its expert and back (distributed/expert_parallel.py); tensor parallelism sets
+``tp_group`` (see ``MoE.forward``); context parallelism sets ``sequence_group`` for the sequence-wise
+auxiliary loss. The trainer sets the training options (router dtype, expert path, auxiliary loss) with
+``configure_moe`` and reads and resets the expert loads after every step (components/expert_load.py).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.feed_forward import FeedForward
+
+
+@dataclass
+class MoEArgs:
+    """The architecture of a MoE feed-forward (what a released checkpoint fixes)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256
+    """Width of each routed expert's SwiGLU (HF: moe_intermediate_size)."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    """Renormalise the k selected weights to sum to one (HF: norm_topk_prob)."""
+    route_scale: float = 1.0
+    """Factor on the routing weights (DeepSeek-V3: 2.5)."""
+    n_groups: int = 1
+    """Expert groups for group-limited routing (1: off)."""
+    topk_group: int = 1
+    """Groups each token may pick its experts from (the best ones by the sum of their two best scores)."""
+    shared_hidden_dim: int = 0
+    """Width of the shared experts' SwiGLU that every token goes through (0: none)."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """Problems as (field, reason) pairs."""
+        problems = [(name, f"{getattr(self, name)} must be positive")
+                    for name in ("num_experts", "top_k", "hidden_dim", "n_groups", "topk_group")
+                    if getattr(self, name) <= 0]
+        if problems:
+            return problems
+        if self.top_k > self.num_experts:
+            problems.append(("top_k", f"{self.top_k} is more than num_experts = {self.num_experts}"))
+        if self.num_experts % self.n_groups:
+            problems.append(("n_groups", f"{self.n_groups} does not divide num_experts = {self.num_experts}"))
+        elif self.topk_group > self.n_groups:
+            problems.append(("topk_group", f"{self.topk_group} is more than n_groups = {self.n_groups}"))
+        elif self.top_k > self.topk_group * (self.num_experts // self.n_groups):
+            problems.append(("top_k", f"{self.top_k} is more than the {self.topk_group} kept groups hold "
+                                      f"({self.num_experts // self.n_groups} experts each)"))
+        if self.score_func not in ("softmax", "sigmoid"):
+            problems.append(("score_func", f"{self.score_func!r} is not 'softmax' or 'sigmoid'"))
+        if self.shared_hidden_dim < 0:
+            problems.append(("shared_hidden_dim", f"{self.shared_hidden_dim} must be >= 0"))
+        return problems
+
+    def routed_params(self, dim: int) -> int:
+        """Parameters of the routed experts of one layer (three [num_experts, dim, hidden] matrices)."""
+        return 3 * self.num_experts * dim * self.hidden_dim
+
+
+def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` computes in: autocast's where it is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Sharded experts (expert and tensor parallel) compute on the slices this rank holds.
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and picks the top k."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None,
+                dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights (T, k) float32, expert indices (T, k), scores (T, E) float32) for tokens x (T, dim).
+
+        ``dtype`` is what the gate computes in (None: the compute dtype). ``expert_bias`` is added to the
+        scores only to choose the experts; the weights are the unbiased scores of the chosen ones.
+        """
+        a = self.args
+        dtype = dtype or compute_dtype_of(x)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), _local(self.gate.weight).to(dtype)).float()
+        scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
+        choice = scores if expert_bias is None else scores + expert_bias
+        if a.n_groups > 1:
+            grouped = choice.unflatten(-1, (a.n_groups, -1))
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            kept = group_scores.topk(a.topk_group, dim=-1).indices
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter(-1, kept, False)
+            choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(-2)
+        indices = choice.topk(a.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if a.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.route_scale, indices, scores
+
+
+ExpertPath = Literal["grouped", "loop"]
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored stacked: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim).
+
+    ``forward(x, counts)`` takes tokens already sorted by expert, ``counts[e]`` of them for expert e, and
+    runs each expert over its own rows: with one grouped GEMM per matrix (``torch._grouped_mm``) or with a
+    plain loop over the experts (the reference, and the path where the grouped kernel cannot run).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.path: ExpertPath = "loop"
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype_of(x)
+        x = x.to(dtype)
+        w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        if self.path == "grouped" and grouped_mm_supported(x, w1, w2):
+            return _grouped_swiglu(x, w1, w2, w3, counts)
+        return _looped_swiglu(x, w1, w2, w3, counts)
+
+
+def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes and a dtype it has kernels for."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and w1.shape[-1] % align == 0 and w2.shape[-1] % align == 0
+
+
+def _grouped_swiglu(x, w1, w2, w3, counts):
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+    return torch._grouped_mm(hidden, w2, offs=offsets)
+
+
+def _looped_swiglu(x, w1, w2, w3, counts):
+    outputs, start = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        # An expert without tokens still multiplies an empty slice: its weights then get a zero gradient,
+        # which every rank's gradient reduction expects.
+        rows = x[start:start + count]
+        outputs.append((F.silu(rows @ w1[expert]) * (rows @ w3[expert])) @ w2[expert])
+        start += count
+    return torch.cat(outputs)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Returns ``out`` unchanged; in backward, gives ``aux_loss`` the gradient 1.
+
+    The auxiliary loss thereby joins the training loss without travelling to it: this works alike under
+    gradient accumulation, pipeline stages and activation checkpointing.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux_loss)
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; all-reduces the gradient over ``group`` (each rank holds a partial gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing re-runs the forward inside backward; that rerun must not count tokens twice.
+    return torch._C._current_graph_task_id() != -1
+
+
+# (sorted tokens, tokens per expert, experts) -> the experts' outputs for the sorted tokens.
+ExpertExchange = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) in place of a block's feed-forward; input and output (B, S, dim)."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.shared_hidden_dim else None
+        # Auxiliary-loss-free balancing: added to the scores to choose experts (persistent: it is trained state).
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+        # Tokens routed to each expert since the trainer last read them (training forwards only).
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64),
+                             persistent=False)
+        # Training options; configure_moe sets them from the [moe] section.
+        self.router_dtype: torch.dtype | None = torch.float32
+        self.aux_loss_coeff = 0.0
+        self.aux_loss_type: Literal["sequence", "batch"] = "sequence"
+        self.aux_loss_per_sequence_scale = 1.0  # 1 / sequences in the global batch
+        self.aux_loss_sum = torch.zeros(())  # detached, for metrics; reset with the loads
+        # Set by the parallelisms (see the module docstring).
+        self.expert_exchange: ExpertExchange | None = None
+        self.tp_group = None
+        self.sequence_group = None
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        device = device or self.expert_bias.device
+        self.expert_bias = torch.zeros(self.args.num_experts, dtype=torch.float32, device=device)
+        self.tokens_per_expert = torch.zeros(self.args.num_experts, dtype=torch.int64, device=device)
+        self.aux_loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, indices, scores = self.router(tokens, self.expert_bias, self.router_dtype)
+        counts = torch.zeros_like(self.tokens_per_expert).scatter_add_(
+            0, indices.flatten(), torch.ones_like(indices.flatten()))
+        aux_loss = None
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux_loss = self._aux_loss(scores, indices, counts, bsz, seqlen)
+        self._record(counts, aux_loss)
+        routed_input = tokens
+        if self.tp_group is not None:
+            # Under tensor parallelism every rank routes all tokens alike and its experts hold a slice of
+            # the hidden width, so each rank's expert outputs (and the gradients they send back) are
+            # partial sums: the output is reduced by the caller, the gradients here.
+            routed_input = _SumGradOver.apply(tokens, self.tp_group)
+            weights = _SumGradOver.apply(weights, self.tp_group)
+        out = self._routed(routed_input, weights, indices, counts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        if aux_loss is not None:
+            out = _AddAuxLoss.apply(out, aux_loss)
+        return out.view(bsz, seqlen, dim)
+
+    def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """Dropless: sort the (token, choice) pairs by expert, run the experts, unsort, weight, sum."""
+        k = indices.shape[1]
+        order = indices.flatten().argsort(stable=True)
+        sorted_tokens = tokens[order // k]
+        if self._needs_eager(compute_dtype_of(tokens)):
+            expert_out = self._experts_eager(sorted_tokens, counts)
+        else:
+            expert_out = self._experts(sorted_tokens, counts)
+        unsorted = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        per_choice = expert_out[unsorted].view(-1, k, expert_out.shape[-1])
+        return (per_choice * weights.to(per_choice.dtype).unsqueeze(-1)).sum(dim=1).to(tokens.dtype)
+
+    def _experts(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.expert_exchange is not None:
+            return self.expert_exchange(sorted_tokens, counts, self.experts)
+        return self.experts(sorted_tokens, counts)
+
+    @torch.compiler.disable
+    def _experts_eager(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self._experts(sorted_tokens, counts)
+
+    def _needs_eager(self, dtype: torch.dtype) -> bool:
+        """Under torch.compile, what reads token counts on the host runs between compiled graphs: the token
+        exchange of expert parallelism and the loop path. The grouped kernel traces in bfloat16 only."""
+        if not torch.compiler.is_compiling():
+            return False
+        return self.expert_exchange is not None or self.experts.path != "grouped" or dtype != torch.bfloat16
+
+    @torch.compiler.disable
+    def _record(self, counts: torch.Tensor, aux_loss: torch.Tensor | None) -> None:
+        """Add this forward's expert loads (and auxiliary loss) to what the trainer reads after the step;
+        validation forwards and activation checkpointing's recomputation do not count."""
+        if not torch.is_grad_enabled() or _in_backward():
+            return
+        self.tokens_per_expert += counts
+        if aux_loss is not None:
+            self.aux_loss_sum = self.aux_loss_sum.to(aux_loss.device) + aux_loss.detach().float()
+
+    def _aux_loss(self, scores: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor, bsz: int,
+                  seqlen: int) -> torch.Tensor:
+        """coeff * sum_i f_i * P_i: f_i the share of the k choices given to expert i (times E), P_i the mean
+        (normalised) score of expert i, per sequence ("sequence") or over this micro-batch ("batch"). It is
+        scaled by 1 / (sequences in the global batch) per sequence, so that, summed over micro-batches and
+        ranks, the sequence-wise loss is its mean over the global batch (the batch-wise one is weighted by
+        each micro-batch's sequences). Under context parallelism the counts of a sequence are summed over
+        its shards and each shard adds its part of P."""
+        num_experts, k = self.args.num_experts, self.args.top_k
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.args.score_func == "sigmoid" else scores
+        shards = 1 if self.sequence_group is None else dist.get_world_size(self.sequence_group)
+        if self.aux_loss_type == "sequence":
+            per_seq = torch.zeros(bsz, num_experts, dtype=torch.float32, device=scores.device)
+            rows = torch.arange(bsz, device=scores.device).repeat_interleave(seqlen * k)
+            per_seq.index_put_((rows, indices.flatten()), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+            per_seq = self._sum_over_shards(per_seq)
+            f = per_seq * num_experts / (k * seqlen * shards)
+            p = probs.view(bsz, seqlen, num_experts).sum(dim=1) / (seqlen * shards)
+            loss = (f * p).sum()
+        else:
+            total = self._sum_over_shards(counts.float())
+            f = total * num_experts / (k * bsz * seqlen * shards)
+            p = probs.sum(dim=0) / (bsz * seqlen * shards)
+            loss = (f * p).sum() * bsz
+        return loss * self.aux_loss_coeff * self.aux_loss_per_sequence_scale
+
+    def _sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
+        if self.sequence_group is None:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=self.sequence_group)
+        return t
