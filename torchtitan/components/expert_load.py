@@ -21,7 +21,6 @@ from torch import nn
 from torchtitan.cache import cache_dir
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import MoE as MoEConfig
-from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
@@ -216,7 +215,7 @@ class ExpertLoadBalancer:
         for layer_id, moe in self.layers:
             counts[layer_id] = moe.tokens_per_expert
             moe.tokens_per_expert.zero_()
-        self.counts = sum_over(counts, self.data_mesh)
+        self.counts = _summed(counts, self.data_mesh)
         if self.cfg.bias_update_rate > 0:
             for layer_id, moe in self.layers:
                 load = self.counts[layer_id].float()
@@ -226,12 +225,7 @@ class ExpertLoadBalancer:
     def metrics(self) -> dict[str, float]:
         """Per-layer loads of the last step (max and mean tokens per expert, the busiest expert's share of the
         routed tokens) and their summary, plus the auxiliary loss since the last call; every rank calls it."""
-        aux = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, moe in self.layers:
-            aux += moe.aux_loss_sum.to(self.device)
-            moe.aux_loss_sum = torch.zeros_like(aux)
-        counts = sum_over(self.counts, self.pp_mesh).float()
-        aux = sum_over(sum_over(aux, self.data_mesh), self.pp_mesh)
+        counts = _summed(self.counts, self.pp_mesh).float()
         row = {}
         ratios = []
         for layer_id in sorted({layer_id for layer_id in range(self.n_layers) if counts[layer_id].sum() > 0}):
@@ -243,5 +237,21 @@ class ExpertLoadBalancer:
             ratios.append(busiest / mean)
         summary = {"moe/max_over_mean": round(sum(ratios) / len(ratios), 4)} if ratios else {}
         if self.cfg.aux_loss_coeff > 0:
-            summary["moe/aux_loss"] = float(aux)
+            summary["moe/aux_loss"] = self._aux_loss_since_last_log()
         return {**summary, **row}
+
+    def _aux_loss_since_last_log(self) -> float:
+        """The auxiliary loss summed over layers and ranks, per optimizer step, since the last log."""
+        aux = torch.zeros((), dtype=torch.float32, device=self.device)
+        for _, moe in self.layers:
+            aux += moe.aux_loss_sum.to(self.device)
+            moe.aux_loss_sum = torch.zeros_like(aux)
+        return float(_summed(_summed(aux, self.data_mesh), self.pp_mesh))
+
+
+def _summed(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """``tensor`` summed over the ranks of ``mesh`` (a copy; blocking, so nothing is left in flight)."""
+    tensor = tensor.clone()
+    if mesh is not None:
+        dist.all_reduce(tensor, group=mesh.get_group())
+    return tensor

@@ -58,6 +58,8 @@ class Float8Converter:
         # float8 matmuls need both dimensions divisible by 16.
         if module.in_features % 16 or module.out_features % 16:
             return False
+        if fqn.endswith("router.gate"):
+            return False  # a MoE router's scores choose the experts: kept in high precision, as the field does
         return not any(fqn == f or fqn.startswith(f + ".") or fqn.endswith("." + f) for f in self.cfg.filter_fqns)
 
     def convert(self, model: nn.Module) -> None:

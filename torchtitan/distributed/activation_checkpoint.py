@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 _ATTENTION_OPS = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -20,6 +20,15 @@ _ATTENTION_OPS = {
 }
 _MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                torch.ops.aten._grouped_mm.default}
+
+
+# Per-op checkpointing replays a block's ops in backward and requires the same op sequence as in forward.
+# Profiler ranges are not computation, but FSDP opens a different number of them when it all-gathers a unit
+# nested inside a block (a MoE's experts under expert parallelism) during the recomputation; leave them out
+# of the comparison, as torch leaves out detach.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _op_policy():
