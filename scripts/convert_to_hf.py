@@ -24,6 +24,10 @@ def main() -> int:
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
     parser.add_argument("--dtype", choices=DTYPES,
                         help="weights dtype (default: the config's checkpoint.export_dtype)")
+    parser.add_argument("--drop_expert_bias", action="store_true",
+                        help="a MoE whose Hugging Face format has no routing bias: drop the trained bias (the "
+                             "largest value dropped is logged) instead of refusing (default: the config's "
+                             "checkpoint.hf_drop_expert_bias)")
     args = parser.parse_args()
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
@@ -37,8 +41,14 @@ def main() -> int:
         return 2
     dtype_name = args.dtype or cfg.checkpoint.export_dtype
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
-    count = write_hf_folder(args.output, model.state_dict(), spec.state_dict_adapter(model.args), tokenizer,
-                            cfg.model.hf_assets_path, dtype_name)
+    adapter = spec.state_dict_adapter(model.args,
+                                      drop_expert_bias=args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias)
+    try:
+        count = write_hf_folder(args.output, model.state_dict(), adapter, tokenizer, cfg.model.hf_assets_path,
+                                dtype_name)
+    except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {count} tensors ({dtype_name}) and config to {args.output}")
     return 0
 

@@ -158,7 +158,9 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
             self.dataloader, self.train_state, self.device,
-            state_dict_adapter=spec.state_dict_adapter(self.model_args) if spec.state_dict_adapter else None,
+            state_dict_adapter=spec.state_dict_adapter(self.model_args,
+                                                       drop_expert_bias=cfg.checkpoint.hf_drop_expert_bias)
+            if spec.state_dict_adapter else None,
             tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path,
             pp_mesh=self.parallel_dims.submesh("pp"),
         )

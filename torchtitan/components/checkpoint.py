@@ -449,8 +449,11 @@ class CheckpointManager:
         partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-            count = write_hf_folder(partial, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
-                                    self.cfg.export_dtype)
+            try:
+                count = write_hf_folder(partial, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
+                                        self.cfg.export_dtype)
+            except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
+                raise CheckpointError(f"cannot export {final} as a Hugging Face folder: {e}") from None
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             logger.info(f"exported the model as a Hugging Face folder ({count} tensors, {self.cfg.export_dtype}) "

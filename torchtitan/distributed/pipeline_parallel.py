@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.config.job_config import Model, Parallelism, Training, Validation
+from torchtitan.models.moe import MoE
 
 # The schedules users pick by name (all in torch 2.13), and which of them run several stages per rank.
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -161,6 +162,24 @@ def keep_only(model: nn.Module, names: list[str]) -> nn.Module:
     return part
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape inference leaves the MoE loads alone.
+
+    Before the first step (and after a switch between evaluation and training) torch runs each stage once on
+    placeholder inputs to learn the shapes it sends; those tokens are not training data, so whatever the
+    stage's MoE layers counted then is forgotten.
+    """
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        moes = [m for m in self.submod.modules() if isinstance(m, MoE)]
+        stats = [m.pending_stats() for m in moes]
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for moe, kept in zip(moes, stats):
+                moe.restore_stats(kept)
+
+
 @dataclass
 class Pipeline:
     """The schedule and this rank's model parts (one per local stage, in stage order)."""
@@ -193,7 +212,7 @@ def build_pipeline(
     for stage_index in placement[pp_rank]:
         part = prepare_part(keep_only(model, names[stage_index]))
         parts.append(part)
-        stages.append(PipelineStage(part, stage_index, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(_Stage(part, stage_index, num_stages, device, group=pp_mesh.get_group()))
 
     if p.pipeline_parallel_schedule_csv:
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=n_microbatches, loss_fn=loss_fn,

@@ -239,6 +239,15 @@ class MoE(nn.Module):
         self.tp_group = None
         self.sequence_group = None
 
+    def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the trainer has not read yet (loads, auxiliary loss), for ``restore_stats``."""
+        return self.tokens_per_expert.clone(), self.aux_loss_sum.clone()
+
+    def restore_stats(self, stats: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Forget what forwards since ``pending_stats`` recorded (e.g. a pipeline stage's shape inference)."""
+        self.tokens_per_expert.copy_(stats[0])
+        self.aux_loss_sum = stats[1]
+
     def init_buffers(self, device: torch.device | None = None) -> None:
         device = device or self.expert_bias.device
         self.expert_bias = torch.zeros(self.args.num_experts, dtype=torch.float32, device=device)

@@ -1,0 +1,137 @@
+"""Qwen3-MoE under every layout expert parallelism composes with: the single process's losses, grad norms and
+routing biases (aux-loss-free balancing on, updated every step), resuming across expert-parallel degrees, the
+Hugging Face export of a trained model, and a 200-step run that learns and stays balanced.
+
+All layouts run from one launch per process count (parity.train_matrix) and share one reference.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+
+from tests.integration.parity import assert_same_steps, rows_of, train_matrix
+from torchtitan.inference import load_model
+
+CONFIG = "train_configs/qwen3_moe_debug.toml"
+STEPS = 6
+N_LAYERS = 4
+COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32", "--training.steps", str(STEPS),
+          "--metrics.log_freq", "1", "--moe.bias_update_rate", "1e-3", "--checkpoint.enable", "--checkpoint.interval",
+          "3", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# name: (processes, flags); every layout trains global batch 8.
+LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+    "ep2": (2, ["--training.local_batch_size", "4", *EP2]),
+    "ep2_tp2": (4, ["--training.local_batch_size", "4", *EP2, "--parallelism.tensor_parallel_degree", "2"]),
+    "ep2_pp2": (4, ["--training.local_batch_size", "4", *EP2, "--parallelism.pipeline_parallel_degree", "2"]),
+    "ep2_cp2": (2, ["--training.local_batch_size", "8", *EP2, "--parallelism.context_parallel_degree", "2"]),
+    "hsdp2x2_ep2": (4, ["--training.local_batch_size", "2", *EP2, "--parallelism.data_parallel_replicate_degree",
+                        "2"]),
+    "ep2_compile": (2, ["--training.local_batch_size", "4", *EP2, "--compile.enable"]),
+    "ep2_accum2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "8", *EP2]),
+}
+
+
+def _resume_from_ep2(folder, nproc: int, ep: int) -> tuple[int, list[str]]:
+    # The whole state of the EP 2 run's step 3 (model, optimizer, schedule, data position, step).
+    return nproc, ["--training.local_batch_size", str(8 // nproc), "--parallelism.expert_parallel_degree", str(ep),
+                   "--checkpoint.initial_load_path", str(folder / "ep2" / "checkpoint" / "step-3"),
+                   "--checkpoint.no_initial_load_model_only"]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe")
+    layouts = {
+        # The reference also exports a Hugging Face folder at its last step, dropping the trained routing bias.
+        "single": (1, ["--training.local_batch_size", "8", "--checkpoint.last_save_in_hf",
+                       "--checkpoint.hf_drop_expert_bias"]),
+        **LAYOUTS,
+        # Listed after "ep2", whose step-3 checkpoint they start from (one launch runs its jobs in order).
+        "resume_ep2": _resume_from_ep2(folder, 2, 2),
+        "resume_ep1": _resume_from_ep2(folder, 2, 1),
+        "resume_ep4": _resume_from_ep2(folder, 4, 4),
+    }
+    return folder, train_matrix(folder, layouts, config=CONFIG, common=COMMON)
+
+
+def expert_biases(step_folder) -> torch.Tensor:
+    """The routing bias of every MoE layer in a checkpoint, (layers, experts)."""
+    state = {"model": {f"layers.{i}.moe.expert_bias": torch.zeros(8) for i in range(N_LAYERS)}}
+    dcp.load(state, checkpoint_id=str(step_folder), no_dist=True)
+    return torch.stack([state["model"][f"layers.{i}.moe.expert_bias"] for i in range(N_LAYERS)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process_losses_and_routing_biases(moe_runs, layout):
+    folder, runs = moe_runs
+    reference = rows_of(runs, "single")
+    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    assert reference[-1]["loss"] != reference[0]["loss"]
+    assert_same_steps(rows_of(runs, layout), reference)
+    # The expert loads the layout logged are the single process's (the same tokens went to the same experts).
+    for ours, ref in zip(rows_of(runs, layout), reference):
+        assert ours["moe/max_over_mean"] == pytest.approx(ref["moe/max_over_mean"], abs=1e-3), ours["step"]
+    expected = expert_biases(folder / "single" / "checkpoint" / f"step-{STEPS}")
+    assert expected.abs().max() > 0  # the biases moved, every step by +-1e-3 or 0
+    torch.testing.assert_close(expert_biases(folder / layout / "checkpoint" / f"step-{STEPS}"), expected,
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed, bitwise", [("resume_ep2", True), ("resume_ep1", False), ("resume_ep4", False)])
+def test_checkpoint_saved_under_ep2_resumes_under_another_ep_degree(moe_runs, resumed, bitwise):
+    _, runs = moe_runs
+    straight = rows_of(runs, "ep2")[3:]
+    rows = rows_of(runs, resumed)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    if bitwise:
+        assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in straight]
+    else:
+        assert_same_steps(rows, straight)
+
+
+@pytest.mark.slow
+def test_hf_export_of_the_trained_model_drops_the_bias_and_loads_in_transformers(moe_runs):
+    folder, _ = moe_runs
+    export = folder / "single" / "checkpoint" / f"export-step-{STEPS}"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is True
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    ours = load_model(CONFIG, str(folder / "single" / "checkpoint" / f"step-{STEPS}"))
+    assert ours.layers["0"].moe.expert_bias.abs().max() > 0
+    tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for layer in ours.layers.values():
+            layer.moe.expert_bias.zero_()  # what the export dropped
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+# The preset as shipped (batch 8 x 256), 200 steps with a 10-step warmup, in fp32.
+BALANCE = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps",
+           "10", "--metrics.log_freq", "1"]
+
+
+@pytest.mark.slow
+def test_200_steps_learn_and_aux_loss_free_balancing_keeps_the_experts_even(tmp_path):
+    runs = train_matrix(tmp_path, {"balanced": (1, []), "unbalanced": (1, ["--moe.bias_update_rate", "0"])},
+                        config=CONFIG, common=BALANCE)
+    figures = {}
+    for name in ("balanced", "unbalanced"):
+        rows = rows_of(runs, name)
+        assert len(rows) == 200 and all(math.isfinite(r["loss"]) for r in rows)
+        last = rows[-20:]
+        figures[name] = (rows[0]["loss"] - sum(r["loss"] for r in last) / 20,
+                         sum(r["moe/max_over_mean"] for r in last) / 20)
+    print(f"\nloss drop (nats), busiest/mean load over the last 20 steps: {figures}")
+    drop, balance = figures["balanced"]
+    assert drop >= 1.0
+    assert balance <= 1.5
+    # Without the routing bias the same run's experts are less even.
+    assert figures["unbalanced"][1] > balance
