@@ -65,6 +65,14 @@ class ModelShape:
     embedding_params: int
     output_params: int
     flops_per_token: float  # training FLOPs per token as the trainer reports it (MFU)
+    # Mixture-of-Experts (zero for dense models): blocks with a MoE, experts per block, experts per token,
+    # an expert's and the shared experts' SwiGLU widths, and one block's routed-expert parameters.
+    moe_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_dim: int = 0
+    shared_dim: int = 0
+    routed_params: int = 0
 
 
 @dataclass
@@ -95,6 +103,7 @@ class Plan:
     speed: str  # how the step time was derived (or why it was not)
     step_time_s: float | None  # None when it was not measured
     compute_dtype: str  # training.mixed_precision_param, "auto" resolved for the device
+    moe: str | None = None  # the MoE lines of the plan (experts per device, all-to-all volume), None when dense
 
     @property
     def fits(self) -> bool:
@@ -114,17 +123,23 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     args = flavor.finalize(vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    block = next(iter(model.layers.values()))
+    blocks = list(model.layers.values())
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
+    moe = args.moe
+    # Per-block counts are averaged over the blocks: a MoE family may keep its first blocks dense.
+    per_block = sum(p.numel() for b in blocks for p in b.parameters()) // len(blocks)
+    linear = sum(m.weight.numel() for b in blocks for m in b.modules() if isinstance(m, nn.Linear)) // len(blocks)
     return ModelShape(
         dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
-        vocab=args.vocab_size, params=params, block_params=sum(p.numel() for p in block.parameters()),
-        block_linear_params=sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear)),
+        vocab=args.vocab_size, params=params, block_params=per_block, block_linear_params=linear,
         embedding_params=embedding,
         output_params=0 if args.tie_embeddings else args.vocab_size * args.dim,
         flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
+        moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
+        expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
+        routed_params=moe.routed_params(args.dim) if moe else 0,
     )
 
 
@@ -152,6 +167,12 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
                                          DTYPES[cfg.training.mixed_precision_param])
     wo_input = c * q if on_cpu and c != 4 and not amx else 0
     ffn = 4 * c * f  # w1 out, silu out, w3 out, w2 input
+    if m.moe_layers:
+        # A MoE block, per token: each of its k copies (the sorted input, the experts' four hidden tensors,
+        # their output), the router's float32 logits and scores over all experts, the shared experts' SwiGLU.
+        routed = m.top_k * (2 * c * d + 4 * c * m.expert_dim / tp)
+        moe_ffn = routed + 2 * 4 * m.experts + 4 * c * m.shared_dim / tp
+        ffn = (m.moe_layers * moe_ffn + (m.n_layers - m.moe_layers) * ffn) / m.n_layers
     if autocast:
         # fp32 residual: each RMSNorm saves its input, 1/rms, the normalised x (fp32), and every
         # Linear saves its own compute-dtype cast of its input (q, k, v and w1, w3: 5 casts).
@@ -250,7 +271,9 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     tokens = sequences * t.seq_len / layout.cp
     full_layer = layer_activation_bytes(m, cfg, on_cpu, tp) * tokens
     residual = (4 if autocast else c) * m.dim * tokens  # a checkpointed block saves only its input
-    weight_copies = c * m.block_linear_params / tp if autocast else 0  # autocast's casts, saved by matmuls
+    # Autocast's casts of the weights, saved by the matmuls (the experts cast their stacked weights themselves).
+    weight_copies = c * (m.block_linear_params + m.routed_params * m.moe_layers / m.n_layers / layout.ep) / tp \
+        if autocast else 0
     ac = cfg.activation_checkpoint
     # Of the rank.saved_blocks block activations alive, how many are checkpointed.
     if ac.mode == "none":
@@ -280,8 +303,9 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
         head_saved += c * m.output_params / tp if autocast else 0
         head_transient = 2 * 4 * vocab * tokens
         output_grad = m.output_params * s / tp / layout.fsdp_degree
-    # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one.
-    gathered = 2 * c * m.block_params / tp if fsdp else 0
+    # FSDP all-gathers a block's parameters in the compute dtype and prefetches the next one; under expert
+    # parallelism a block gathers only its own experts.
+    gathered = 2 * c * gathered_block_params(m, layout) / tp if fsdp else 0
 
     phases = {
         "loss (end of forward)": (0, stored + head_saved, head_transient + gathered),
@@ -293,6 +317,28 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     phase, (grad_bytes, act_bytes, transient_bytes) = max(phases.items(), key=lambda kv: sum(kv[1]))
     return Memory(params=params, grads=grad_bytes, optimizer=optimizer, activations=act_bytes,
                   transient=transient_bytes, peak_phase=phase)
+
+
+def gathered_block_params(m: ModelShape, layout: ParallelDims) -> float:
+    """Parameters of one block as FSDP gathers it on a device (before TP): under expert parallelism only the
+    block's local experts (num_experts / ep)."""
+    routed = m.routed_params * m.moe_layers / m.n_layers
+    return m.block_params - routed + routed / layout.ep
+
+
+def all_to_all_bytes(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> float:
+    """Bytes one device sends in expert-parallel all-to-alls per optimizer step: every MoE layer sends each
+    routed token copy (k per token) whose expert lives on another of the ep ranks out and back, in forward
+    and again in backward, and once more where activation checkpointing recomputes the layer."""
+    if layout.ep == 1 or not m.moe_layers:
+        return 0.0
+    t = cfg.training
+    c = DTYPES[t.mixed_precision_param].itemsize
+    tokens = t.local_batch_size * t.seq_len / layout.cp * layout.grad_accum_steps(t)
+    per_layer = tokens * m.top_k * m.dim * c * (layout.ep - 1) / layout.ep * 2  # dispatch and combine
+    passes = 2 + recomputed_fraction(cfg, m.n_layers)
+    layers = m.moe_layers / layout.pp
+    return per_layer * passes * layers
 
 
 def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> tuple[float, float, float]:
@@ -458,7 +504,25 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
         speed = f"at {efficiency:.0%} of peak"
     return Plan(device=device, capacity_gib=capacity, layout=layout, memory=memory, tokens_per_device=tokens,
                 flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time,
-                compute_dtype=dtype)
+                compute_dtype=dtype, moe=moe_summary(m, cfg, layout))
+
+
+def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | None:
+    """Experts per EP rank, their memory per device, and the all-to-all volume per step."""
+    if not m.moe_layers:
+        return None
+    s = DTYPES[cfg.training.dtype].itemsize
+    local = m.experts // layout.ep
+    # Stored sharded like everything else (over ep x the experts' FSDP = dp_shard x cp, and tp); the
+    # optimizer's two moments and the gradient triple the parameters' bytes.
+    stored = m.routed_params * m.moe_layers / layout.pp / (layout.dp_shard * layout.cp * layout.tp) * s
+    adam = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
+    volume = all_to_all_bytes(m, cfg, layout)
+    split = (f"{local} per EP rank (ep {layout.ep}, FSDP-sharded {layout.efsdp} ways more)" if layout.ep > 1 else
+             f"no expert parallelism (FSDP-sharded {layout.fsdp_degree} ways)")
+    return (f"experts: {m.experts} per MoE block, {split}; expert weights {stored / GIB:.3f} GiB per device "
+            f"({stored * (2 + adam) / GIB:.3f} GiB with gradients and optimizer state); "
+            f"all-to-all {volume / GIB:.3f} GiB sent per device per step")
 
 
 def format_plan(p: Plan) -> str:
@@ -471,7 +535,7 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"device: {p.device} ({p.capacity_gib:.1f} GiB, {p.peak_tflops:.3g} TFLOP/s {p.compute_dtype} peak)   "
         f"layout: world {lay.world_size} = dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x "
-        f"cp {lay.cp} x tp {lay.tp} x pp {lay.pp}",
+        f"cp {lay.cp} x tp {lay.tp} x pp {lay.pp}" + (f" (ep {lay.ep} within dp_shard x cp)" if lay.ep > 1 else ""),
         "",
         f"| {'memory per device':<20} | {'GiB':>10} |",
         f"|{'-' * 22}|{'-' * 12}|",
@@ -480,6 +544,7 @@ def format_plan(p: Plan) -> str:
         f"peak phase: {mem.peak_phase}",
         f"step time: {'-' if p.step_time_s is None else f'{p.step_time_s:.3f} s'}  "
         f"({p.tokens_per_device:,.0f} tokens/device, {p.flops_per_device / 1e12:.3f} TFLOP/device, {p.speed})",
+        *([p.moe] if p.moe else []),
     ]
     if p.fits:
         share = mem.total / GIB / p.capacity_gib

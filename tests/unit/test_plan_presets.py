@@ -31,7 +31,8 @@ def test_cluster_presets_are_planned_on_their_clusters():
     assert runs["llama3_8b.toml"] == ("H100", 8)
     assert runs["llama3_70b.toml"] == ("H100", 64)
     assert runs["llama3_405b.toml"] == ("H100", 512)
-    assert runs["qwen3_debug.toml"] == runs["debug_model.toml"] == ("CPU", 1)
+    assert runs["qwen3_moe_30b_a3b.toml"] == ("H100", 32)
+    assert runs["qwen3_debug.toml"] == runs["debug_model.toml"] == runs["qwen3_moe_debug.toml"] == ("CPU", 1)
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)

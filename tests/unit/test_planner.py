@@ -205,3 +205,30 @@ def test_plan_script_does_not_time_a_run_that_cannot_fit_the_cpu(capsys, monkeyp
     monkeypatch.setattr(planner, "cpu_memory_gib", lambda: 1e6)
     code, out, _ = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--device", "CPU")
     assert code == 0 and "not measured: one block has 218M parameters" in out
+
+
+def test_moe_plan_counts_experts_per_rank_and_all_to_all_volume_by_hand():
+    cfg, _ = load_config(["--job.config_file", "train_configs/qwen3_moe_30b_a3b.toml"])
+    result = plan(cfg, "H100", world_size=32)
+    m = model_shape(cfg)
+    assert (m.moe_layers, m.experts, m.top_k, m.expert_dim) == (48, 128, 8, 768)
+    assert m.routed_params == 128 * 3 * 2048 * 768
+    # 2 x 4096 tokens per rank, 8 copies each of 2048 bf16 values, 7 of 8 to other ranks, out and back; forward,
+    # backward and the per-op checkpointing's half recomputation; 48 MoE blocks.
+    hand = 2 * 4096 * 8 * 2048 * 2 * 7 / 8 * 2 * 2.5 * 48
+    assert planner.all_to_all_bytes(m, result_cfg(cfg), result.layout) == pytest.approx(hand)
+    assert f"all-to-all {hand / GIB:.3f} GiB sent per device per step" in result.moe
+    assert "16 per EP rank (ep 8, FSDP-sharded 4 ways more)" in result.moe
+    # Expert parallelism gathers a block's 16 local experts, not all 128: the FSDP transient shrinks.
+    dense_gather = plan(result_cfg(cfg, "--parallelism.expert_parallel_degree", "1"), "H100", world_size=32)
+    assert result.memory.transient < dense_gather.memory.transient
+    assert planner.gathered_block_params(m, result.layout) == pytest.approx(
+        m.block_params - m.routed_params + m.routed_params / 8)
+    # The FLOPs are the active parameters': a dense model of the same size would be ~10x more.
+    assert m.flops_per_token < 6 * (m.params - m.embedding_params) / 5
+
+
+def result_cfg(cfg, *overrides):
+    again, _ = load_config(["--job.config_file", cfg.job.config_file, "--training.mixed_precision_param", "bfloat16",
+                            *overrides])
+    return again

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TOKENIZER
+from tests.unit.test_plan_presets import intended_run
 from torchtitan.config import load_config
 from torchtitan.config.validation import import_custom_modules, validate_config
 
@@ -21,6 +22,7 @@ def test_every_shipped_preset_parses_and_validates(preset):
     import_custom_modules(cfg, sources)
     if not Path(cfg.model.hf_assets_path).exists():
         # Large presets point at a tokenizer the user downloads; check the rest with the shipped one.
-        assert preset.name.startswith("llama3_"), preset
+        assert preset.name.startswith(("llama3_", "qwen3_moe_30b")), preset
         cfg.model.hf_assets_path = str(TOKENIZER)
-    validate_config(cfg, sources, world_size=1)
+    # At the world size it is written for (its degrees, expert parallelism among them, must fit it).
+    validate_config(cfg, sources, world_size=intended_run(preset)[1])
