@@ -1,0 +1,146 @@
+"""Mixture-of-Experts throughput: the grouped-GEMM and loop expert paths, and expert parallelism 1 vs 2.
+
+1. The experts alone: forward + backward of the routed experts (GroupedExperts) on each path, at the debug
+   model's widths and at Qwen3-30B-A3B's (16 local experts, as under EP 8), in each dtype this device runs.
+2. The trainer: qwen3_moe debugmodel on one process, and on two as FSDP 2 without and with EP 2, on each expert
+   path; tokens/s per device from the runs' own metrics (median of the steps after the first two).
+3. On a CUDA machine also Qwen3-30B-A3B's dimensions with 4 layers, batch 1 x 8192, selective per-op AC, bf16,
+   AdamW, eager and compiled: tokens/s, MFU counted on active parameters, peak memory.
+
+    python benchmarks/moe.py [--steps 8] [--output benchmarks/results/moe.md]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from torchtitan.components.peak_flops import cpu_model  # noqa: E402
+from torchtitan.models.moe import GroupedExperts  # noqa: E402
+
+# (label, local experts, dim, expert width, routed rows)
+SHAPES = [("debugmodel", 8, 64, 32, 8 * 256 * 2), ("30B-A3B widths, 16 local experts", 16, 2048, 768, 2048 * 8)]
+
+
+def time_experts(path: str, experts: int, dim: int, hidden: int, rows: int, dtype: torch.dtype,
+                 device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of forward + backward over tokens spread evenly over the experts."""
+    g = torch.Generator().manual_seed(0)
+    module = GroupedExperts(dim, hidden, experts)
+    with torch.no_grad():
+        for w in module.parameters():
+            w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+    module = module.to(device, dtype)
+    module.path = path
+    x = torch.randn(rows, dim, generator=g).to(device, dtype).requires_grad_()
+    counts = torch.full((experts,), rows // experts, dtype=torch.int64, device=device)
+    grad = torch.randn(rows, dim, generator=g).to(device, dtype)
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        module(x, counts).backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def dtypes_to_time(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cuda":
+        return [torch.bfloat16]  # the grouped kernel's CUDA dtype
+    from torchtitan.distributed.precision import cpu_computes_bf16_fast
+
+    # Without fast bfloat16 (an AVX2-only CPU) a bf16 matmul is ~40x slower than fp32: not worth timing.
+    return [torch.float32, torch.bfloat16] if cpu_computes_bf16_fast() else [torch.float32]
+
+
+def run_trainer(nproc: int, flags: list[str], dump: Path) -> list[dict]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    launcher = [sys.executable, "-m", "torchtitan.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend", "c10d",
+        "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train"]
+    result = subprocess.run([*launcher, *flags, f"--job.dump_folder={dump}"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{flags} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def steady(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--output", default="benchmarks/results/moe.md")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    lines = [f"# MoE benchmarks on {name} (torch {torch.__version__})", "",
+             "## Routed experts alone (forward + backward, tokens spread evenly)", "",
+             "| shape | dtype | routed rows | grouped GEMM (ms) | loop (ms) | loop / grouped |", "|---|---|---|---|---|---|"]
+    for label, experts, dim, hidden, rows in SHAPES:
+        for dtype in dtypes_to_time(device):
+            grouped = time_experts("grouped", experts, dim, hidden, rows, dtype, device)
+            loop = time_experts("loop", experts, dim, hidden, rows, dtype, device)
+            lines.append(f"| {label} ({experts} x {dim} x {hidden}) | {str(dtype)[6:]} | {rows:,} | "
+                         f"{grouped * 1e3:.2f} | {loop * 1e3:.2f} | {loop / grouped:.2f}x |")
+            print(lines[-1], flush=True)
+
+    common = ["--job.config_file", "train_configs/qwen3_moe_debug.toml", "--training.steps", str(args.steps),
+              "--metrics.log_freq", "1"]
+    layouts = [("1 process", 1, ["--training.local_batch_size", "8"]),
+               ("FSDP 2, EP 1", 2, ["--training.local_batch_size", "4"]),
+               ("FSDP 2, EP 2", 2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"])]
+    lines += ["", f"## Trainer: qwen3_moe debugmodel, global batch 8 x 256, {args.steps} steps (median of steps 3+)",
+              "", "| layout | expert path | tokens/s per device | tokens/s aggregate | peak memory (GiB) |",
+              "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, nproc, flags) in enumerate(layouts):
+            for path in ("grouped", "loop"):
+                rows = run_trainer(nproc, [*common, *flags, "--moe.expert_compute", path], Path(tmp) / f"{i}{path}")
+                tps = steady(rows, "tps")
+                lines.append(f"| {label} | {path} | {tps:,.0f} | {tps * nproc:,.0f} | "
+                             f"{max(r['memory_gib'] for r in rows):.2f} |")
+                print(lines[-1], flush=True)
+        if device.type == "cuda":
+            lines += gpu_section(Path(tmp), args.steps)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+
+
+def gpu_section(tmp: Path, steps: int) -> list[str]:
+    """Qwen3-30B-A3B widths, 4 layers, one GPU (benchmarks/moe_flavors.py registers the flavor)."""
+    lines = ["", "## One GPU: Qwen3-30B-A3B widths, 4 layers, batch 1 x 8192, selective per-op AC, bf16, AdamW", "",
+             "| mode | tokens/s | MFU (active parameters) | peak memory (GiB) |", "|---|---|---|---|"]
+    base = ["--job.config_file", "train_configs/qwen3_moe_30b_a3b.toml", "--experimental.custom_import",
+            "benchmarks.moe_flavors", "--model.flavor", "30B-A3B-4layers", "--model.hf_assets_path", "assets/tokenizer",
+            "--training.local_batch_size", "1", "--training.seq_len", "8192", "--training.steps", str(max(steps, 25)),
+            "--parallelism.expert_parallel_degree", "1", "--metrics.log_freq", "1",
+            "--training.mixed_precision_param", "bfloat16"]
+    for mode, extra in (("eager", ["--compile.no_enable"]), ("compiled", ["--compile.enable"])):
+        rows = run_trainer(1, [*base, *extra], tmp / f"gpu_{mode}")
+        window = rows[5:25]
+        lines.append(f"| {mode} | {statistics.median(r['tps'] for r in window):,.0f} | "
+                     f"{statistics.median(r['mfu'] for r in window):.1f}% | {max(r['memory_gib'] for r in rows):.1f} |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
