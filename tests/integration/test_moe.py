@@ -135,3 +135,74 @@ def test_200_steps_learn_and_aux_loss_free_balancing_keeps_the_experts_even(tmp_
     assert balance <= 1.5
     # Without the routing bias the same run's experts are less even.
     assert figures["unbalanced"][1] > balance
+
+
+def _moe_trainer(tmp_path, *flags):
+    from torchtitan.config import load_config
+    from torchtitan.config.validation import validate_config
+    from torchtitan.train import Trainer
+
+    cfg, sources = load_config(["--job.config_file", CONFIG, f"--job.dump_folder={tmp_path}", "--training.seq_len",
+                                "32", "--training.mixed_precision_param", "float32", *flags])
+    validate_config(cfg, sources, world_size=1)
+    return Trainer(cfg)
+
+
+def test_loads_bias_updates_and_aux_loss_reach_the_console_jsonl_and_tensorboard(tmp_path, caplog):
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = _moe_trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "1", "--moe.aux_loss_coeff",
+                           "0.01", "--metrics.enable_tensorboard")
+    moes = [block.moe for block in trainer.model_parts[0].layers.values()]
+    loads, biases = [], []
+    original = trainer.expert_loads.after_step
+
+    def after_step():  # the loads each step summed, and the biases they moved
+        loads.append(torch.stack([m.tokens_per_expert.clone() for m in moes]))
+        original()
+        biases.append(torch.stack([m.expert_bias.clone() for m in moes]))
+
+    trainer.expert_loads.after_step = after_step
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        trainer.train()
+    trainer.close()
+    assert all(load.sum(dim=1).tolist() == [8 * 32 * 2] * 4 for load in loads)  # every token, k = 2 copies
+    previous = torch.zeros_like(biases[0])
+    for load, bias in zip(loads, biases):
+        load = load.float()
+        torch.testing.assert_close(bias - previous, 1e-3 * torch.sign(load.mean(1, keepdim=True) - load))
+        previous = bias
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row, load in zip(rows, loads):
+        load = load.float()
+        assert row["moe/max_over_mean"] == pytest.approx((load.max(1).values / load.mean(1)).mean().item(), abs=1e-4)
+        assert row["moe/layer2/max_tokens"] == load[2].max().item()
+        busiest = load[2].max().item() / load[2].sum().item()
+        assert row["moe/layer2/busiest_fraction"] == pytest.approx(busiest, abs=1e-6)
+        assert 0 < row["moe/aux_loss"] < 1
+    assert "moe_load: " in caplog.text and "moe_aux: " in caplog.text
+    acc = EventAccumulator(str(next((tmp_path / "tb" / "rank0").glob("events.out.tfevents.*"))))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("moe/max_over_mean")] == pytest.approx([r["moe/max_over_mean"] for r in rows])
+    assert "moe/layer3/busiest_fraction" in acc.Tags()["scalars"]
+
+
+def test_aux_loss_under_gradient_accumulation_equals_one_large_batch(tmp_path):
+    flags = ("--training.steps", "1", "--moe.aux_loss_coeff", "0.1", "--optimizer.eps", "1e-6")
+    big = _moe_trainer(tmp_path / "a", "--training.local_batch_size", "8", *flags)
+    small = _moe_trainer(tmp_path / "b", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+                         *flags)
+    batch = next(iter(big.dataloader))
+    data = iter(small.dataloader)
+    micro = [next(data) for _ in range(4)]
+    loss_big, norm_big = big.train_step([batch])
+    loss_small, norm_small = small.train_step(micro)
+    torch.testing.assert_close(loss_small, loss_big, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm_small, norm_big, rtol=1e-5, atol=1e-7)
+    big_gate = big.model_parts[0].layers["1"].moe.router.gate.weight
+    small_gate = small.model_parts[0].layers["1"].moe.router.gate.weight
+    torch.testing.assert_close(small_gate.grad, big_gate.grad, rtol=1e-5, atol=1e-8)
+    aux = [sum(m.aux_loss_sum for _, m in t.expert_loads.layers).item() for t in (big, small)]
+    assert aux[0] > 0 and aux[1] == pytest.approx(aux[0], rel=1e-6)

@@ -98,7 +98,7 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     tokens = min(tokens, _TIMING_MAX_TOKENS)
     key = f"{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|torch {torch.__version__}"
     cached = _read_cache().get(key)
-    timings = cached or (_measure(num_experts, dim, hidden, tokens, dtype, device) if _rank() == 0 else None)
+    timings = cached or (time_expert_paths(num_experts, dim, hidden, tokens, dtype, device) if _rank() == 0 else None)
     if cached is None and _rank() == 0:
         _write_cache(key, timings)
     path = "grouped" if timings is None or timings["grouped"] <= timings["loop"] else "loop"
@@ -113,8 +113,10 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     return path, f"auto: {how} for {num_experts} experts of {dim} x {hidden}, {tokens} tokens, {dtype}"
 
 
-def _measure(num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
-             device: torch.device, repeats: int = 3) -> dict[str, float]:
+def time_expert_paths(num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
+                      device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """The fastest of ``repeats`` forward + backward passes of each expert path, in seconds, on random weights
+    and ``tokens`` rows spread evenly over the experts."""
     generator = torch.Generator().manual_seed(0)
     experts = GroupedExperts(dim, hidden, num_experts)
     with torch.no_grad():

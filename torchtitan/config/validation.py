@@ -173,7 +173,6 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 
 def _check_unsupported(c: _Checker) -> None:
     cfg = c.cfg
-    p = cfg.parallelism
     c.not_yet("optimizer.early_step_in_backward", cfg.optimizer.early_step_in_backward, "early step in backward")
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":
