@@ -44,9 +44,21 @@ def _resume_from_ep2(folder, nproc: int, ep: int) -> tuple[int, list[str]]:
                    "--checkpoint.no_initial_load_model_only"]
 
 
+def _transformers_checkpoint(folder):
+    """A random Qwen3MoeForCausalLM of the debug flavor's shape, saved by transformers."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=N_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    return ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"]
+
+
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe")
+    from_hf = _transformers_checkpoint(folder / "hf")
     layouts = {
         # The reference also exports a Hugging Face folder at its last step, dropping the trained routing bias.
         "single": (1, ["--training.local_batch_size", "8", "--checkpoint.last_save_in_hf",
@@ -56,6 +68,9 @@ def moe_runs(tmp_path_factory):
         "resume_ep2": _resume_from_ep2(folder, 2, 2),
         "resume_ep1": _resume_from_ep2(folder, 2, 1),
         "resume_ep4": _resume_from_ep2(folder, 4, 4),
+        # Starting from a transformers-saved checkpoint: the experts are split over the EP ranks as they load.
+        "from_hf": (1, ["--training.local_batch_size", "8", *from_hf]),
+        "from_hf_ep2": (2, ["--training.local_batch_size", "4", *EP2, *from_hf]),
     }
     return folder, train_matrix(folder, layouts, config=CONFIG, common=COMMON)
 
@@ -95,6 +110,14 @@ def test_checkpoint_saved_under_ep2_resumes_under_another_ep_degree(moe_runs, re
         assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in straight]
     else:
         assert_same_steps(rows, straight)
+
+
+@pytest.mark.slow
+def test_a_transformers_checkpoint_starts_runs_under_expert_parallelism(moe_runs):
+    _, runs = moe_runs
+    single = rows_of(runs, "from_hf")
+    assert single[0]["loss"] != rows_of(runs, "single")[0]["loss"]  # other weights than the seeded ones
+    assert_same_steps(rows_of(runs, "from_hf_ep2"), single)
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ choices -> plus the shared experts (a SwiGLU every token goes through).
 The layer holds no communication. Expert parallelism swaps ``expert_exchange`` for one that sends each
 token to the rank holding its expert and back (distributed/expert_parallel.py); tensor parallelism sets
 ``tp_group`` (see ``MoE.forward``); context parallelism sets ``sequence_group`` for the sequence-wise
-auxiliary loss. The trainer sets the training options (router dtype, expert path, auxiliary loss) with
-``configure_moe`` and reads and resets the expert loads after every step (components/expert_load.py).
+auxiliary loss. The trainer sets the training options (router dtype, expert path, auxiliary loss) from the
+[moe] section and reads and resets the expert loads after every step (components/expert_load.py).
 """
 
 from collections.abc import Callable
@@ -228,7 +228,7 @@ class MoE(nn.Module):
         # Tokens routed to each expert since the trainer last read them (training forwards only).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64),
                              persistent=False)
-        # Training options; configure_moe sets them from the [moe] section.
+        # Training options; the trainer sets them from the [moe] section (components/expert_load.py).
         self.router_dtype: torch.dtype | None = torch.float32
         self.aux_loss_coeff = 0.0
         self.aux_loss_type: Literal["sequence", "batch"] = "sequence"
@@ -344,6 +344,7 @@ class MoE(nn.Module):
             loss = (f * p).sum() * bsz
         return loss * self.aux_loss_coeff * self.aux_loss_per_sequence_scale
 
+    @torch.compiler.disable
     def _sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
         if self.sequence_group is None:
             return t
