@@ -41,8 +41,8 @@ def main() -> int:
         return 2
     dtype_name = args.dtype or cfg.checkpoint.export_dtype
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
-    adapter = spec.state_dict_adapter(model.args,
-                                      drop_expert_bias=args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias)
+    adapter = spec.state_dict_adapter(model.args)
+    adapter.drop_expert_bias = args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias
     try:
         count = write_hf_folder(args.output, model.state_dict(), adapter, tokenizer, cfg.model.hf_assets_path,
                                 dtype_name)

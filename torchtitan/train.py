@@ -127,9 +127,11 @@ class Trainer:
         )
         self.expert_loads = None
         if getattr(self.model_args, "moe", None) is not None:
+            # Tokens one forward routes on this rank: a pipeline micro-batch under PP, else the local batch.
+            sequences = cfg.parallelism.pipeline_parallel_microbatch_size if self.pipeline else training.local_batch_size
             self.expert_loads = ExpertLoadBalancer(
                 cfg.moe, self.model_parts, self.model_args, self.parallel_dims, global_sequences=global_batch,
-                local_tokens=training.local_batch_size * training.seq_len // self.parallel_dims.cp,
+                local_tokens=sequences * training.seq_len // self.parallel_dims.cp,
                 compute_dtype=compute_dtype(training), device=self.device,
             )
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
@@ -158,9 +160,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
             self.dataloader, self.train_state, self.device,
-            state_dict_adapter=spec.state_dict_adapter(self.model_args,
-                                                       drop_expert_bias=cfg.checkpoint.hf_drop_expert_bias)
-            if spec.state_dict_adapter else None,
+            state_dict_adapter=self._hf_adapter(spec),
             tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path,
             pp_mesh=self.parallel_dims.submesh("pp"),
         )
@@ -171,6 +171,14 @@ class Trainer:
         self.preemption = PreemptionWatcher(self.device)
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
+
+    def _hf_adapter(self, spec):
+        """The family's Hugging Face adapter for exports, told whether to drop a MoE routing bias; None if none."""
+        if spec.state_dict_adapter is None:
+            return None
+        adapter = spec.state_dict_adapter(self.model_args)
+        adapter.drop_expert_bias = self.cfg.checkpoint.hf_drop_expert_bias
+        return adapter
 
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:

@@ -176,7 +176,7 @@ def test_loads_bias_updates_and_aux_loss_reach_the_console_jsonl_and_tensorboard
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trainer = _moe_trainer(tmp_path, "--training.steps", "3", "--metrics.log_freq", "1", "--moe.aux_loss_coeff",
+    trainer = _moe_trainer(tmp_path, "--training.steps", "4", "--metrics.log_freq", "2", "--moe.aux_loss_coeff",
                            "0.01", "--metrics.enable_tensorboard")
     moes = [block.moe for block in trainer.model_parts[0].layers.values()]
     loads, biases = [], []
@@ -198,8 +198,10 @@ def test_loads_bias_updates_and_aux_loss_reach_the_console_jsonl_and_tensorboard
         torch.testing.assert_close(bias - previous, 1e-3 * torch.sign(load.mean(1, keepdim=True) - load))
         previous = bias
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    for row, load in zip(rows, loads):
-        load = load.float()
+    assert [r["step"] for r in rows] == [1, 2, 4]  # a log step reports its own step's loads and auxiliary loss
+    assert rows[2]["moe/aux_loss"] < 1.5 * rows[0]["moe/aux_loss"]
+    for row in rows:
+        load = loads[row["step"] - 1].float()
         assert row["moe/max_over_mean"] == pytest.approx((load.max(1).values / load.mean(1)).mean().item(), abs=1e-4)
         assert row["moe/layer2/max_tokens"] == load[2].max().item()
         busiest = load[2].max().item() / load[2].sum().item()
@@ -227,5 +229,5 @@ def test_aux_loss_under_gradient_accumulation_equals_one_large_batch(tmp_path):
     big_gate = big.model_parts[0].layers["1"].moe.router.gate.weight
     small_gate = small.model_parts[0].layers["1"].moe.router.gate.weight
     torch.testing.assert_close(small_gate.grad, big_gate.grad, rtol=1e-5, atol=1e-8)
-    aux = [sum(m.aux_loss_sum for _, m in t.expert_loads.layers).item() for t in (big, small)]
+    aux = [t.expert_loads.aux_loss.item() for t in (big, small)]
     assert aux[0] > 0 and aux[1] == pytest.approx(aux[0], rel=1e-6)

@@ -147,7 +147,7 @@ def test_aux_loss_value_and_gradient_join_the_loss(kind):
     moe = _moe(seed=3)
     moe.aux_loss_coeff, moe.aux_loss_type = 0.01, kind
     bsz, seqlen = 4, 9
-    moe.aux_loss_per_sequence_scale = 1.0 / bsz  # the whole global batch is this one micro-batch
+    moe.aux_loss_scale = 1.0 / bsz  # the whole global batch is this one micro-batch
     x = torch.randn(bsz, seqlen, DIM)
     moe(x).sum().backward()
     gate_grad = moe.router.gate.weight.grad.clone()
@@ -163,7 +163,7 @@ def test_aux_loss_value_and_gradient_join_the_loss(kind):
 
 def test_sequence_aux_loss_sums_over_micro_batches_to_the_global_mean():
     moe = _moe(seed=4)
-    moe.aux_loss_coeff, moe.aux_loss_type, moe.aux_loss_per_sequence_scale = 0.1, "sequence", 1.0 / 6
+    moe.aux_loss_coeff, moe.aux_loss_type, moe.aux_loss_scale = 0.1, "sequence", 1.0 / 6
     x = torch.randn(6, 8, DIM)
     moe(x).sum().backward()
     whole, grad = moe.aux_loss_sum.item(), moe.router.gate.weight.grad.clone()
@@ -186,10 +186,20 @@ def test_router_computes_in_float32_under_autocast_unless_told_otherwise():
     assert (bf16_scores - exact).abs().max() > 1e-5  # the gate ran in bfloat16
 
 
+def test_a_dtype_cast_keeps_the_routing_bias_in_float32():
+    moe = _moe(seed=6)
+    moe.expert_bias += 1e-3 * torch.arange(8)
+    expected = moe.expert_bias.clone()
+    moe.to(torch.bfloat16)
+    assert moe.router.gate.weight.dtype == torch.bfloat16
+    assert moe.expert_bias.dtype == torch.float32 and torch.equal(moe.expert_bias, expected)
+
+
 def test_args_check_names_the_field():
     assert MoEArgs(num_experts=4, top_k=5).check()[0][0] == "top_k"
     assert MoEArgs(num_experts=6, n_groups=4).check()[0][0] == "n_groups"
     assert MoEArgs(num_experts=8, n_groups=4, topk_group=1, top_k=3).check()[0][0] == "top_k"
+    assert MoEArgs(route_scale=0.0).check()[0][0] == "route_scale"
     assert MoEArgs().check() == []
 
 

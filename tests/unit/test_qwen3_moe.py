@@ -99,14 +99,18 @@ def test_a_trained_routing_bias_is_refused_or_dropped_with_a_log_line(caplog):
     with pytest.raises(ValueError, match=r"layers.2.moe.expert_bias is non-zero \(largest \|bias\| 0.012\) but "
                                          r"Qwen3MoeForCausalLM has no routing bias"):
         Qwen3MoeStateDictAdapter(model.args).to_hf(model.state_dict())
+    adapter = Qwen3MoeStateDictAdapter(model.args)
+    adapter.drop_expert_bias = True
     with caplog.at_level(logging.WARNING, logger="torchtitan"):
-        out = Qwen3MoeStateDictAdapter(model.args, drop_expert_bias=True).to_hf(model.state_dict())
+        out = adapter.to_hf(model.state_dict())
     assert not any("bias" in k for k in out)
     assert "the largest was 0.012 in layers.2.moe.expert_bias" in caplog.text
 
 
 def _check(flags, world_size):
-    cfg, sources = load_config(["--job.config_file", CONFIG, *flags])
+    # A dense model's cases start from the dense tiny preset (the MoE preset sets [moe] options).
+    config = "train_configs/tiny.toml" if "llama3" in flags else CONFIG
+    cfg, sources = load_config(["--job.config_file", config, *flags])
     validate_config(cfg, sources, world_size=world_size)
 
 
@@ -121,10 +125,12 @@ def _check(flags, world_size):
     (["--moe.bias_update_rate", "-1"], 1, "moe.bias_update_rate = -1.0 is invalid; it must be >= 0"),
     (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], 1,
      "checkpoint.last_save_in_hf = True would export a routing bias that moe.bias_update_rate > 0 trains"),
-    (["--model.name", "llama3", "--model.flavor", "tiny", "--parallelism.expert_parallel_degree", "2"], 2,
+    (["--model.name", "llama3", "--parallelism.expert_parallel_degree", "2"], 2,
      "expert_parallel_degree = 2 needs a model with MoE layers"),
-    (["--model.name", "llama3", "--model.flavor", "tiny", "--moe.aux_loss_coeff", "0.01"], 1,
+    (["--model.name", "llama3", "--moe.aux_loss_coeff", "0.01"], 1,
      "moe.aux_loss_coeff = 0.01 is set, but this model.flavor has no MoE layers"),
+    (["--model.name", "llama3", "--moe.router_dtype", "compute"], 1,
+     "moe.router_dtype = 'compute' is set, but this model.flavor has no MoE layers"),
 ])
 def test_bad_moe_layouts_and_options_are_one_line_errors_naming_the_field(flags, world_size, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -21,6 +21,7 @@ from torch import nn
 from torchtitan.cache import cache_dir
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import MoE as MoEConfig
+from torchtitan.distributed.collectives import sum_now
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
@@ -33,9 +34,10 @@ _TIMING_MAX_BYTES = 256 * 2**20
 
 
 def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, checkpoint: CheckpointConfig,
-                    hf_keeps_expert_bias: bool) -> list[tuple[str, str]]:
+                    hf_has_expert_bias: bool, set_explicitly: list[str] = ()) -> list[tuple[str, str]]:
     """Problems with the [moe] section and expert parallelism for ``model_args`` (None: unknown), as
-    (full key, reason) pairs. ``hf_keeps_expert_bias``: the family's Hugging Face format has a routing bias."""
+    (full key, reason) pairs. ``hf_has_expert_bias``: the family's Hugging Face format has a routing bias;
+    ``set_explicitly``: the [moe] fields the TOML or command line set (their keys, e.g. "moe.router_dtype")."""
     problems = []
     if cfg.bias_update_rate < 0:
         problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 (0 turns the balancing off)"))
@@ -45,17 +47,16 @@ def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, che
         return problems
     moe = getattr(model_args, "moe", None)
     if moe is None:
-        # An option that would silently do nothing on a dense model is refused.
+        # On a dense model these would do nothing: refused rather than silently ignored.
         if expert_parallel_degree > 1:
             problems.append(("parallelism.expert_parallel_degree", "needs a model with MoE layers; this "
                              "model.flavor has none"))
-        if cfg.aux_loss_coeff > 0:
-            problems.append(("moe.aux_loss_coeff", "is set, but this model.flavor has no MoE layers"))
+        problems += [(key, "is set, but this model.flavor has no MoE layers") for key in set_explicitly]
         return problems
     if moe.num_experts % expert_parallel_degree:
         problems.append(("parallelism.expert_parallel_degree", f"does not divide the model's moe.num_experts = "
                                                                f"{moe.num_experts}"))
-    if checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and not hf_keeps_expert_bias and \
+    if checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and not hf_has_expert_bias and \
             not checkpoint.hf_drop_expert_bias:
         problems.append(("checkpoint.last_save_in_hf", "would export a routing bias that moe.bias_update_rate > 0 "
                          "trains, but this model's Hugging Face format has none, so the export would route "
@@ -82,10 +83,7 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     peak); global rank 0 measures and the others follow, so every rank computes the same way. Every rank
     must call it.
     """
-    meta = {"device": "meta", "dtype": dtype}
-    runs = grouped_mm_supported(torch.empty(0, dim, **meta), torch.empty(num_experts, dim, hidden, **meta),
-                                torch.empty(num_experts, hidden, dim, **meta)) and \
-        (device.type != "cuda" or dtype == torch.bfloat16)
+    runs = grouped_mm_supported(dtype, device, dim, hidden)
     if requested != "auto":
         if requested == "grouped" and not runs:
             return "loop", (f"moe.expert_compute = 'grouped', but torch._grouped_mm cannot run {dtype} experts of "
@@ -97,10 +95,14 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
         return "grouped", "auto: the grouped GEMM (experts too large to time both paths)"
     tokens = min(tokens, _TIMING_MAX_TOKENS)
     key = f"{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|torch {torch.__version__}"
-    cached = _read_cache().get(key)
-    timings = cached or (time_expert_paths(num_experts, dim, hidden, tokens, dtype, device) if _rank() == 0 else None)
-    if cached is None and _rank() == 0:
-        _write_cache(key, timings)
+    timings = _read_cache().get(key)
+    if timings is None and _rank() == 0:
+        try:
+            timings = time_expert_paths(num_experts, dim, hidden, tokens, dtype, device)
+            _write_cache(key, timings)
+        except RuntimeError as e:  # e.g. out of memory: the other ranks still wait for the choice below
+            logger.warning(f"timing the MoE expert paths failed ({type(e).__name__}: {e}); using the loop")
+            timings = {"grouped": math.inf, "loop": 0.0}
     path = "grouped" if timings is None or timings["grouped"] <= timings["loop"] else "loop"
     if dist.is_initialized():
         # Every rank computes the way global rank 0 measured (ranks timing at once would disturb each other).
@@ -108,8 +110,8 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
         choice = torch.tensor([path == "grouped"], dtype=torch.int64)
         dist.broadcast(choice, src=0)
         path = "grouped" if choice.item() else "loop"
-    how = f"{timings['grouped'] * 1e3:.2f} ms grouped vs {timings['loop'] * 1e3:.2f} ms loop" if timings else \
-        "as measured on rank 0"
+    how = f"{timings['grouped'] * 1e3:.2f} ms grouped vs {timings['loop'] * 1e3:.2f} ms loop" \
+        if timings and math.isfinite(timings["grouped"]) else "as measured on rank 0"
     return path, f"auto: {how} for {num_experts} experts of {dim} x {hidden}, {tokens} tokens, {dtype}"
 
 
@@ -196,6 +198,7 @@ class ExpertLoadBalancer:
         self.pp_mesh = parallel_dims.submesh("pp")
         moe_args = model_args.moe
         self.counts = torch.zeros(self.n_layers, moe_args.num_experts, dtype=torch.int64, device=device)
+        self.aux_loss = torch.zeros((), dtype=torch.float32, device=device)  # this rank's, of the last step
         path, why = choose_expert_path(cfg.expert_compute, moe_args.num_experts // parallel_dims.ep, model_args.dim,
                                        moe_args.hidden_dim // parallel_dims.tp, local_tokens * moe_args.top_k,
                                        compute_dtype, device)
@@ -203,7 +206,7 @@ class ExpertLoadBalancer:
             moe.router_dtype = torch.float32 if cfg.router_dtype == "float32" else None
             moe.aux_loss_coeff = cfg.aux_loss_coeff
             moe.aux_loss_type = cfg.aux_loss_type
-            moe.aux_loss_per_sequence_scale = 1.0 / global_sequences
+            moe.aux_loss_scale = 1.0 / global_sequences
             moe.experts.path = path
         balancing = f"bias update rate {cfg.bias_update_rate:g}" if cfg.bias_update_rate > 0 else "no routing bias"
         aux = f"aux loss {cfg.aux_loss_coeff:g} ({cfg.aux_loss_type})" if cfg.aux_loss_coeff > 0 else "no aux loss"
@@ -214,10 +217,13 @@ class ExpertLoadBalancer:
     def after_step(self) -> None:
         """Sum this step's loads over the data-parallel ranks and move the routing biases (every rank alike)."""
         counts = torch.zeros_like(self.counts)
+        self.aux_loss = torch.zeros_like(self.aux_loss)
         for layer_id, moe in self.layers:
             counts[layer_id] = moe.tokens_per_expert
             moe.tokens_per_expert.zero_()
-        self.counts = _summed(counts, self.data_mesh)
+            self.aux_loss += moe.aux_loss_sum.to(self.device)
+            moe.aux_loss_sum = torch.zeros_like(self.aux_loss)
+        self.counts = sum_now(counts, self.data_mesh)
         if self.cfg.bias_update_rate > 0:
             for layer_id, moe in self.layers:
                 load = self.counts[layer_id].float()
@@ -226,8 +232,8 @@ class ExpertLoadBalancer:
     @torch.no_grad()
     def metrics(self) -> dict[str, float]:
         """Per-layer loads of the last step (max and mean tokens per expert, the busiest expert's share of the
-        routed tokens) and their summary, plus the auxiliary loss since the last call; every rank calls it."""
-        counts = _summed(self.counts, self.pp_mesh).float()
+        routed tokens) and their summary, plus the last step's auxiliary loss; every rank calls it."""
+        counts = sum_now(self.counts, self.pp_mesh).float()
         row = {}
         ratios = []
         for layer_id in sorted({layer_id for layer_id in range(self.n_layers) if counts[layer_id].sum() > 0}):
@@ -239,21 +245,6 @@ class ExpertLoadBalancer:
             ratios.append(busiest / mean)
         summary = {"moe/max_over_mean": round(sum(ratios) / len(ratios), 4)} if ratios else {}
         if self.cfg.aux_loss_coeff > 0:
-            summary["moe/aux_loss"] = self._aux_loss_since_last_log()
+            # Summed over layers, micro-batches and ranks: the step's whole auxiliary loss.
+            summary["moe/aux_loss"] = float(sum_now(sum_now(self.aux_loss, self.data_mesh), self.pp_mesh))
         return {**summary, **row}
-
-    def _aux_loss_since_last_log(self) -> float:
-        """The auxiliary loss summed over layers and ranks, per optimizer step, since the last log."""
-        aux = torch.zeros((), dtype=torch.float32, device=self.device)
-        for _, moe in self.layers:
-            aux += moe.aux_loss_sum.to(self.device)
-            moe.aux_loss_sum = torch.zeros_like(aux)
-        return float(_summed(_summed(aux, self.data_mesh), self.pp_mesh))
-
-
-def _summed(tensor: torch.Tensor, mesh) -> torch.Tensor:
-    """``tensor`` summed over the ranks of ``mesh`` (a copy; blocking, so nothing is left in flight)."""
-    tensor = tensor.clone()
-    if mesh is not None:
-        dist.all_reduce(tensor, group=mesh.get_group())
-    return tensor

@@ -1,5 +1,6 @@
 """Check a loaded JobConfig before anything is built; every failure is a one-line ConfigError."""
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -134,8 +135,11 @@ def _check_model(c: _Checker) -> None:
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
     adapter = spec.state_dict_adapter
+    moe_keys = [f"moe.{field.name}" for field in dataclasses.fields(c.cfg.moe)]
+    moe_keys += ["checkpoint.hf_drop_expert_bias"]
     c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
-                              hf_keeps_expert_bias=getattr(adapter, "hf_has_expert_bias", False)))
+                              hf_has_expert_bias=getattr(adapter, "hf_has_expert_bias", False),
+                              set_explicitly=[k for k in moe_keys if c.sources.describe(k) != "default"]))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

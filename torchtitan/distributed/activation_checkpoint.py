@@ -26,9 +26,10 @@ _MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.op
 # Profiler ranges are not computation, but FSDP opens a different number of them when it all-gathers a unit
 # nested inside a block (a MoE's experts under expert parallelism) during the recomputation; leave them out
 # of the comparison, as torch leaves out detach.
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        torch.ops.profiler._record_function_exit.default,
-                        torch.ops.profiler._record_function_exit._RecordFunction})
+SAC_IGNORED_OPS.update(getattr(packet, overload) for packet, overloads in (
+    (torch.ops.profiler._record_function_enter_new, ("default",)),
+    (torch.ops.profiler._record_function_exit, ("default", "_RecordFunction"))) for overload in overloads
+    if overload in packet.overloads())
 
 
 def _op_policy():

@@ -11,3 +11,12 @@ def sum_over(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
     if mesh is None or not dist.is_initialized():
         return tensor
     return funcol.all_reduce(tensor, reduceOp="sum", group=mesh)
+
+
+def sum_now(tensor: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """A copy of ``tensor`` summed over the ranks of ``mesh``, complete on return (a blocking all-reduce, where
+    ``sum_over`` returns a tensor that completes on first use: for results kept across steps)."""
+    tensor = tensor.clone()
+    if mesh is not None and dist.is_initialized():
+        dist.all_reduce(tensor, group=mesh.get_group())
+    return tensor

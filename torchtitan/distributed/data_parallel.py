@@ -42,7 +42,7 @@ def apply_fsdp(
         if expert_mesh is not None:
             for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
                 fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh},
-                            shard_placement_fn=_expert_shard_placement(expert_mesh))
+                            shard_placement_fn=_expert_shard_placement(experts, expert_mesh))
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     final = [m for m in ((embeddings if tied else None), norm, output) if m is not None]
     if final:
@@ -53,14 +53,17 @@ def apply_fsdp(
     return model
 
 
-def _expert_shard_placement(expert_mesh: DeviceMesh):
+def _expert_shard_placement(experts: GroupedExperts, expert_mesh: DeviceMesh):
     # The local experts split over the FSDP ranks by expert when they divide evenly, else along the model
-    # width (FSDP would otherwise pad whole experts).
+    # width (FSDP would otherwise pad whole experts): dimension 1 of w1, w3 (E, dim, hidden), 2 of w2 (E,
+    # hidden, dim); the hidden width is tensor parallelism's.
     ranks = expert_mesh.size(-1)
 
     def placement(param: nn.Parameter) -> Shard:
         local_experts = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
-        return Shard(0) if local_experts % ranks == 0 else Shard(1)
+        if local_experts % ranks == 0:
+            return Shard(0)
+        return Shard(2 if param is experts.w2 else 1)
 
     return placement
 

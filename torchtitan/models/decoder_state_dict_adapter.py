@@ -67,9 +67,9 @@ class DecoderStateDictAdapter:
     extra_layer_names: ClassVar[dict[str, str]] = {}
     hf_has_expert_bias: ClassVar[bool] = False
 
-    def __init__(self, args, drop_expert_bias: bool = False):
+    def __init__(self, args):
         self.args = args
-        self.drop_expert_bias = drop_expert_bias
+        self.drop_expert_bias = False  # set by the exporter from checkpoint.hf_drop_expert_bias
         self._layer_to_hf = {**DECODER_LAYER_NAMES, **self.extra_layer_names}
         self._layer_from_hf = {hf: ours for ours, hf in self._layer_to_hf.items()}
         self._top_from_hf = {hf: ours for ours, hf in DECODER_TOP_NAMES.items()}

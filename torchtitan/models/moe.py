@@ -61,6 +61,8 @@ class MoEArgs:
         elif self.top_k > self.topk_group * (self.num_experts // self.n_groups):
             problems.append(("top_k", f"{self.top_k} is more than the {self.topk_group} kept groups hold "
                                       f"({self.num_experts // self.n_groups} experts each)"))
+        if self.route_scale <= 0:
+            problems.append(("route_scale", f"{self.route_scale} must be positive"))
         if self.score_func not in ("softmax", "sigmoid"):
             problems.append(("score_func", f"{self.score_func!r} is not 'softmax' or 'sigmoid'"))
         if self.shared_hidden_dim < 0:
@@ -140,19 +142,20 @@ class GroupedExperts(nn.Module):
         dtype = compute_dtype_of(x)
         x = x.to(dtype)
         w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
-        if self.path == "grouped" and grouped_mm_supported(x, w1, w2):
+        if self.path == "grouped" and grouped_mm_supported(dtype, x.device, x.shape[-1], w1.shape[-1]):
             return _grouped_swiglu(x, w1, w2, w3, counts)
         return _looped_swiglu(x, w1, w2, w3, counts)
 
 
-def grouped_mm_supported(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch._grouped_mm needs row strides that are multiples of 16 bytes and a dtype it has kernels for."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device, dim: int, hidden: int) -> bool:
+    """Whether torch._grouped_mm runs experts of ``dim`` x ``hidden`` in ``dtype`` on ``device``: rows must be
+    multiples of 16 bytes; CUDA takes bfloat16 on compute capability 8.0 or newer, the CPU float32 too."""
+    if dtype not in (torch.float32, torch.bfloat16):
         return False
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 8):
         return False
-    align = 16 // x.element_size()
-    return x.shape[-1] % align == 0 and w1.shape[-1] % align == 0 and w2.shape[-1] % align == 0
+    align = 16 // dtype.itemsize
+    return dim % align == 0 and hidden % align == 0
 
 
 def _grouped_swiglu(x, w1, w2, w3, counts):
@@ -232,12 +235,21 @@ class MoE(nn.Module):
         self.router_dtype: torch.dtype | None = torch.float32
         self.aux_loss_coeff = 0.0
         self.aux_loss_type: Literal["sequence", "batch"] = "sequence"
-        self.aux_loss_per_sequence_scale = 1.0  # 1 / sequences in the global batch
+        self.aux_loss_scale = 1.0  # 1 / sequences in the global batch (see _aux_loss)
         self.aux_loss_sum = torch.zeros(())  # detached, for metrics; reset with the loads
         # Set by the parallelisms (see the module docstring).
         self.expert_exchange: ExpertExchange | None = None
         self.tp_group = None
         self.sequence_group = None
+
+    def _apply(self, fn, recurse=True):
+        # Module-wide dtype casts (model.to(bfloat16)) leave the routing bias in float32: its steps of ~1e-3 on
+        # values near the scores would round away in bfloat16. Device moves still apply.
+        kept = self.expert_bias
+        super()._apply(fn, recurse)
+        if self.expert_bias.dtype != kept.dtype and not kept.is_meta:
+            self.expert_bias = kept.to(self.expert_bias.device)
+        return self
 
     def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the trainer has not read yet (loads, auxiliary loss), for ``restore_stats``."""
@@ -342,7 +354,7 @@ class MoE(nn.Module):
             f = total * num_experts / (k * bsz * seqlen * shards)
             p = probs.sum(dim=0) / (bsz * seqlen * shards)
             loss = (f * p).sum() * bsz
-        return loss * self.aux_loss_coeff * self.aux_loss_per_sequence_scale
+        return loss * self.aux_loss_coeff * self.aux_loss_scale
 
     @torch.compiler.disable
     def _sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
