@@ -14,8 +14,9 @@ def module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """{module: the torchtitan modules it imports}. ``from pkg import sub`` depends on pkg.sub alone when
-    sub is a module (Python runs pkg/__init__ first, but a package importing its own submodules is no cycle)."""
+    """{module: the torchtitan modules it imports}. ``from pkg import sub`` depends on pkg.sub when sub is a
+    module, and on pkg too: Python runs pkg/__init__ first (except for a module inside pkg, whose package is
+    already being imported: a package importing its own submodules is no cycle)."""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
@@ -31,6 +32,9 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join([*anchor, *([node.module] if node.module else [])])
                 submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules]
                 deps.update(submodules if len(submodules) == len(node.names) else [base, *submodules])
+        # Importing a.b.c runs a/__init__ and a/b/__init__ first, unless the importer lives inside them.
+        parents = {".".join(d.split(".")[:i]) for d in deps for i in range(1, d.count(".") + 1)}
+        deps |= {p for p in parents if not (name == p or name.startswith(p + "."))}
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 

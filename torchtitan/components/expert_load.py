@@ -34,10 +34,10 @@ _TIMING_MAX_BYTES = 256 * 2**20
 
 
 def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, checkpoint: CheckpointConfig,
-                    hf_has_expert_bias: bool, set_explicitly: list[str] = ()) -> list[tuple[str, str]]:
+                    hf_has_expert_bias: bool, changed_from_defaults: list[str] = ()) -> list[tuple[str, str]]:
     """Problems with the [moe] section and expert parallelism for ``model_args`` (None: unknown), as
     (full key, reason) pairs. ``hf_has_expert_bias``: the family's Hugging Face format has a routing bias;
-    ``set_explicitly``: the [moe] fields the TOML or command line set (their keys, e.g. "moe.router_dtype")."""
+    ``changed_from_defaults``: the MoE options changed from their defaults (keys, e.g. "moe.router_dtype")."""
     problems = []
     if cfg.bias_update_rate < 0:
         problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 (0 turns the balancing off)"))
@@ -51,7 +51,7 @@ def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, che
         if expert_parallel_degree > 1:
             problems.append(("parallelism.expert_parallel_degree", "needs a model with MoE layers; this "
                              "model.flavor has none"))
-        problems += [(key, "is set, but this model.flavor has no MoE layers") for key in set_explicitly]
+        problems += [(key, "is set, but this model.flavor has no MoE layers") for key in changed_from_defaults]
         return problems
     if moe.num_experts % expert_parallel_degree:
         problems.append(("parallelism.expert_parallel_degree", f"does not divide the model's moe.num_experts = "

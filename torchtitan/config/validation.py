@@ -135,11 +135,13 @@ def _check_model(c: _Checker) -> None:
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
     adapter = spec.state_dict_adapter
-    moe_keys = [f"moe.{field.name}" for field in dataclasses.fields(c.cfg.moe)]
-    moe_keys += ["checkpoint.hf_drop_expert_bias"]
+    # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
+    defaults = {f"moe.{f.name}": f.default for f in dataclasses.fields(c.cfg.moe)}
+    defaults["checkpoint.hf_drop_expert_bias"] = False
+    changed = [key for key, default in defaults.items() if c.value(key) != default]
     c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
                               hf_has_expert_bias=getattr(adapter, "hf_has_expert_bias", False),
-                              set_explicitly=[k for k in moe_keys if c.sources.describe(k) != "default"]))
+                              changed_from_defaults=changed))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import Model, Parallelism
+from torchtitan.models import BUILTIN_FAMILIES
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.registry import Registry
 
@@ -54,7 +55,7 @@ class TrainSpec:
                 setattr(self, name, fn)
 
 
-TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=("torchtitan.models",))
+TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=BUILTIN_FAMILIES)
 
 
 def register_train_spec(name: str, spec: TrainSpec) -> None:
