@@ -1,7 +1,12 @@
-"""Where torchtitan keeps what it measures or builds once per machine (CPU peak, compiled kernels)."""
+"""Where torchtitan keeps what it measures or builds once per machine (CPU peak, expert kernels' timings,
+compiled kernels)."""
 
+import fcntl
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def cache_dir() -> Path:
@@ -9,3 +14,21 @@ def cache_dir() -> Path:
     if root := os.environ.get("TORCHTITAN_CACHE_DIR"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchtitan"
+
+
+def measured_once(file_name: str, key: str, measure: Callable[[], Any]) -> tuple[Any, bool]:
+    """(the value cached under ``key`` in the JSON file ``file_name`` of the cache folder, else ``measure()``
+    stored there; whether it was measured now). A file lock makes concurrent processes wait for one
+    measurement instead of all measuring at once (and slowing each other down); the file is replaced whole."""
+    path = cache_dir() / file_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cache = json.loads(path.read_text()) if path.exists() else {}
+        if key in cache:
+            return cache[key], False
+        cache[key] = measure()
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+        return cache[key], True

@@ -74,6 +74,11 @@ class ModelShape:
     shared_dim: int = 0
     routed_params: int = 0
 
+    @property
+    def routed_params_per_block(self) -> float:
+        """Routed-expert parameters of a block, averaged over the blocks (like block_params)."""
+        return self.routed_params * self.moe_layers / self.n_layers
+
 
 @dataclass
 class Memory:
@@ -272,8 +277,7 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     full_layer = layer_activation_bytes(m, cfg, on_cpu, tp) * tokens
     residual = (4 if autocast else c) * m.dim * tokens  # a checkpointed block saves only its input
     # Autocast's casts of the weights, saved by the matmuls (the experts cast their stacked weights themselves).
-    weight_copies = c * (m.block_linear_params + m.routed_params * m.moe_layers / m.n_layers / layout.ep) / tp \
-        if autocast else 0
+    weight_copies = c * (m.block_linear_params + m.routed_params_per_block / layout.ep) / tp if autocast else 0
     ac = cfg.activation_checkpoint
     # Of the rank.saved_blocks block activations alive, how many are checkpointed.
     if ac.mode == "none":
@@ -322,8 +326,7 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
 def gathered_block_params(m: ModelShape, layout: ParallelDims) -> float:
     """Parameters of one block as FSDP gathers it on a device (before TP): under expert parallelism only the
     block's local experts (num_experts / ep)."""
-    routed = m.routed_params * m.moe_layers / m.n_layers
-    return m.block_params - routed + routed / layout.ep
+    return m.block_params - m.routed_params_per_block + m.routed_params_per_block / layout.ep
 
 
 def all_to_all_bytes(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> float:

@@ -9,24 +9,24 @@ overloaded expert becomes less likely to be chosen, an idle one more. The bias s
 the weights (models/moe.py).
 """
 
-import json
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.cache import cache_dir
+from torchtitan.cache import cache_dir, measured_once
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.config.job_config import MoE as MoEConfig
 from torchtitan.distributed.collectives import sum_now
+from torchtitan.distributed.device import rank as device_rank
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
 
-EXPERT_PATH_CACHE_VERSION = 1
+EXPERT_PATH_CACHE_FILE = "expert_path.json"
+EXPERT_PATH_CACHE_VERSION = 2
 # The kernel timing stays small: at most this many tokens, and none for experts larger than this many bytes
 # (the grouped kernel is then taken where it runs).
 _TIMING_MAX_TOKENS = 8192
@@ -94,12 +94,19 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     if 3 * num_experts * dim * hidden * torch.finfo(dtype).bits // 8 > _TIMING_MAX_BYTES:
         return "grouped", "auto: the grouped GEMM (experts too large to time both paths)"
     tokens = min(tokens, _TIMING_MAX_TOKENS)
-    key = f"{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|torch {torch.__version__}"
-    timings = _read_cache().get(key)
-    if timings is None and _rank() == 0:
+    key = (f"v{EXPERT_PATH_CACHE_VERSION}|{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|"
+           f"torch {torch.__version__}")
+    timings = None
+    if device_rank() == 0:
+        def measure() -> dict[str, float]:
+            return time_expert_paths(num_experts, dim, hidden, tokens, dtype, device)
+
         try:
-            timings = time_expert_paths(num_experts, dim, hidden, tokens, dtype, device)
-            _write_cache(key, timings)
+            try:
+                timings, _ = measured_once(EXPERT_PATH_CACHE_FILE, key, measure)
+            except OSError as e:  # a read-only cache folder only costs a measurement next time
+                logger.warning(f"could not cache the MoE expert timing in {cache_dir()}: {e}")
+                timings = measure()
         except RuntimeError as e:  # e.g. out of memory: the other ranks still wait for the choice below
             logger.warning(f"timing the MoE expert paths failed ({type(e).__name__}: {e}); using the loop")
             timings = {"grouped": math.inf, "loop": 0.0}
@@ -153,34 +160,6 @@ def _device_name(device: torch.device) -> str:
     from torchtitan.components.peak_flops import cpu_model
 
     return f"cpu {cpu_model()} x{torch.get_num_threads()}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _cache_file():
-    return cache_dir() / "expert_path.json"
-
-
-def _read_cache() -> dict:
-    try:
-        data = json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data.get("entries", {}) if data.get("version") == EXPERT_PATH_CACHE_VERSION else {}
-
-
-def _write_cache(key: str, timings: dict[str, float]) -> None:
-    entries = {**_read_cache(), key: timings}
-    path = _cache_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": EXPERT_PATH_CACHE_VERSION, "entries": entries}, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home only costs a measurement next time
-        logger.warning(f"could not cache the MoE expert timing in {path}: {e}")
 
 
 class ExpertLoadBalancer:

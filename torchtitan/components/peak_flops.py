@@ -3,8 +3,6 @@
 A device we know nothing about gets no peak (MFU is not reported) rather than another device's.
 """
 
-import fcntl
-import json
 import os
 import platform
 import time
@@ -13,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.cache import cache_dir
+from torchtitan.cache import cache_dir, measured_once
 from torchtitan.log import logger
 
 # Dense (no sparsity) peak TFLOP/s from vendors' data sheets, by compute dtype.
@@ -44,6 +42,7 @@ CALIBRATION_ROUNDS = 3
 # support: ~0.7 GFLOP/s, one 4096^2 matmul ~3 minutes) the large sizes are skipped, not waited for.
 CALIBRATION_BUDGET_SECONDS = 3.0
 CALIBRATION_VERSION = 3
+CACHE_FILE = "cpu_peak_tflops.json"
 
 
 def gpu_peak_tflops(device_name: str, dtype: str) -> float | None:
@@ -112,37 +111,26 @@ def cpu_model() -> str:
     return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
-def _cache_file() -> Path:
-    return cache_dir() / "cpu_peak_tflops.json"
-
-
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:
-    """Matmul peak of the whole machine (all cores) in ``dtype``, measured once and cached.
-
-    A file lock makes concurrent ranks wait for one measurement instead of all measuring at once
-    (and slowing each other down).
-    """
+    """Matmul peak of the whole machine (all cores) in ``dtype``, measured once and cached (concurrent ranks
+    wait for one measurement)."""
     cores = usable_cores()
     key = f"v{CALIBRATION_VERSION}|{cpu_model()}|{cores} cores|torch {torch.__version__}|{dtype}"
-    path = _cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        if key not in cache:
-            logger.info(f"measuring this CPU's {str(dtype).removeprefix('torch.')} matmul peak for MFU "
-                        f"(at most {CALIBRATION_BUDGET_SECONDS:.0f} s, once per machine)")
-            cache[key] = measure_matmul_tflops(dtype, cores)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-            logger.info(f"measured CPU {dtype} matmul peak: {cache[key]:.3f} TFLOP/s on {cores} cores "
-                        f"(cached in {path})")
-        return cache[key]
+
+    def measure() -> float:
+        logger.info(f"measuring this CPU's {str(dtype).removeprefix('torch.')} matmul peak for MFU "
+                    f"(at most {CALIBRATION_BUDGET_SECONDS:.0f} s, once per machine)")
+        return measure_matmul_tflops(dtype, cores)
+
+    peak, measured = measured_once(CACHE_FILE, key, measure)
+    if measured:
+        logger.info(f"measured CPU {dtype} matmul peak: {peak:.3f} TFLOP/s on {cores} cores "
+                    f"(cached in {cache_dir() / CACHE_FILE})")
+    return peak
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
