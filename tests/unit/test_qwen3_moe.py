@@ -123,6 +123,7 @@ def _check(flags, world_size):
       "--parallelism.data_parallel_shard_degree", "2", "--training.seq_len", "384"], 6,
      "expert_parallel_degree = 2 must divide context_parallel_degree = 3 or be a multiple of it"),
     (["--moe.bias_update_rate", "-1"], 1, "moe.bias_update_rate = -1.0 is invalid; it must be >= 0"),
+    (["--moe.aux_loss_type", "batch"], 1, "moe.aux_loss_type = 'batch' would do nothing: moe.aux_loss_coeff is 0"),
     (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], 1,
      "checkpoint.last_save_in_hf = True would export a routing bias that moe.bias_update_rate > 0 trains"),
     (["--model.name", "llama3", "--parallelism.expert_parallel_degree", "2"], 2,
@@ -143,6 +144,7 @@ def test_good_moe_layouts_validate():
     _check(["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 4)
     _check(["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--checkpoint.hf_drop_expert_bias"], 1)
     _check(["--checkpoint.enable", "--checkpoint.last_save_in_hf", "--moe.bias_update_rate", "0"], 1)
+    _check(["--moe.aux_loss_type", "batch", "--moe.aux_loss_coeff", "0.01"], 1)
 
 
 @pytest.mark.parametrize("degrees, ep, efsdp", [

@@ -43,6 +43,8 @@ def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, che
         problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 (0 turns the balancing off)"))
     if cfg.aux_loss_coeff < 0:
         problems.append(("moe.aux_loss_coeff", "is invalid; it must be >= 0 (0 turns the loss off)"))
+    if cfg.aux_loss_type != "sequence" and cfg.aux_loss_coeff == 0:
+        problems.append(("moe.aux_loss_type", "would do nothing: moe.aux_loss_coeff is 0 (the auxiliary loss is off)"))
     if model_args is None or problems:
         return problems
     moe = getattr(model_args, "moe", None)
