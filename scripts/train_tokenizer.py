@@ -7,7 +7,8 @@ It trains on the train split of the built-in pydocs corpus, or on ``--input`` fi
 
 * ``tokenizer.model``: tiktoken ranks in Llama 3's format (ids after the special tokens);
 * ``tokenizer.json``: the same tokenizer for the ``tokenizers`` library;
-* ``tokenizer_config.json``: BOS/EOS/PAD names and the special-token ids (``added_tokens_decoder``).
+* ``tokenizer_config.json``: BOS/EOS/PAD names, the special-token ids (``added_tokens_decoder``) and
+  our chat template (``chat_template``, see torchtitan.data.chat_template).
 
 Both files give identical ids: they share Llama 3's pre-tokenizer pattern, and tokenizer.json's merge
 list is derived from the ranks (every split of a token into two tokens is a merge, prioritised by the
@@ -28,6 +29,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from torchtitan.data import build_tokenizer, load_documents  # noqa: E402
+from torchtitan.data.chat_template import DEFAULT_CHAT_TEMPLATE  # noqa: E402
 from torchtitan.data.tokenizer import LLAMA3_PATTERN  # noqa: E402
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -130,6 +132,7 @@ def save(ranks: dict[bytes, int], output_dir: pathlib.Path) -> None:
                      "single_word": False, "special": True}
             for token, i in special_tokens.items()
         },
+        "chat_template": DEFAULT_CHAT_TEMPLATE,
     }
     (output_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -9,9 +9,12 @@ Two file formats are understood, picked by the files present in the folder (the 
   A tokenizer.model in another format (e.g. SentencePiece) is passed over.
 * ``tokenizer.json``: a Hugging Face ``tokenizers`` file (any model it supports).
 
-``tokenizer_config.json`` may also name the BOS/EOS/PAD tokens (Llama 3's names are the default).
+``tokenizer_config.json`` may also name the BOS/EOS/PAD tokens (Llama 3's names are the default) and
+hold a Jinja ``chat_template`` (see torchtitan.data.chat_template).
 Both formats encode special-token strings that occur in text as ordinary text, so a document can
-never forge a document boundary: BOS/EOS ids appear only where the caller asks for them.
+never forge a document boundary: BOS/EOS ids appear only where the caller asks for them. The one
+exception is ``encode_chat``, for text rendered by a chat template, whose special-token strings are
+the template's own markers (e.g. the EOS that ends a turn) and must become special tokens.
 """
 
 from __future__ import annotations
@@ -64,7 +67,17 @@ DEFAULT_SPECIAL_TOKENS = {
 class Tokenizer(abc.ABC):
     """Text <-> token ids; BOS/EOS are added only when asked for."""
 
-    def __init__(self, token_ids: dict[str, int], bos_token: str, eos_token: str, pad_token: str | None):
+    # The Jinja chat template from tokenizer_config.json, or None when the folder has none.
+    chat_template: str | None = None
+
+    def __init__(
+        self,
+        token_ids: dict[str, int],
+        bos_token: str,
+        eos_token: str,
+        pad_token: str | None,
+        chat_template: str | None = None,
+    ):
         def require(token: str, role: str) -> int:
             if token not in token_ids:
                 raise ValueError(f"{role} {token!r} is not in the tokenizer's vocabulary")
@@ -73,6 +86,9 @@ class Tokenizer(abc.ABC):
         self._bos_id = require(bos_token, "bos_token")
         self._eos_id = require(eos_token, "eos_token")
         self._pad_id = None if pad_token is None else require(pad_token, "pad_token")
+        # Chat templates insert the special tokens by name, as strings.
+        self._bos_token, self._eos_token, self._pad_token = bos_token, eos_token, pad_token
+        self.chat_template = chat_template
 
     @abc.abstractmethod
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
@@ -86,6 +102,18 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def vocab_size(self) -> int:
         """Number of token ids, special tokens included."""
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of text rendered by a chat template, and each token's (start, end) character offsets.
+
+        Unlike encode, special-token strings in text become special tokens: the template wrote them
+        (BOS, the EOS ending each turn). As in transformers, so do such strings inside a message's
+        content; data that must not contain them should be checked before rendering. The offsets let a
+        character span of the rendered text (an assistant turn) be mapped to tokens. A token holding part
+        of a multi-byte character spans that whole character, so consecutive tokens can share offsets
+        (as Hugging Face tokenizers report).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement encode_chat")
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
@@ -113,25 +141,62 @@ class Tokenizer(abc.ABC):
         """Id of the padding token, or None if the tokenizer has none."""
         return self._pad_id
 
+    @property
+    def bos_token(self) -> str:
+        """The beginning-of-text token's string."""
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str:
+        """The end-of-text token's string."""
+        return self._eos_token
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token's string, or None if the tokenizer has none."""
+        return self._pad_token
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` tokenizer (tokenizer.json); its post-processor is never applied."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, bos_token: str, eos_token: str, pad_token: str | None = None):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        bos_token: str,
+        eos_token: str,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ):
         self._tokenizer = tokenizer
         self._tokenizer.encode_special_tokens = True
-        super().__init__(tokenizer.get_vocab(with_added_tokens=True), bos_token, eos_token, pad_token)
+        # encode_chat needs special tokens recognised. The flag is per tokenizer object, and flipping it
+        # around each call would race with other threads, so encode_chat gets its own copy (made on
+        # first use: most runs never call it).
+        self._chat_tokenizer: tokenizers.Tokenizer | None = None
+        super().__init__(tokenizer.get_vocab(with_added_tokens=True), bos_token, eos_token, pad_token, chat_template)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         # The flag is not part of the pickled tokenizer, so copies sent to
         # dataloader worker processes would otherwise lose it.
         self._tokenizer.encode_special_tokens = True
+        if self._chat_tokenizer is not None:
+            self._chat_tokenizer.encode_special_tokens = False
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         if len(texts) == 1:
             return [self._tokenizer.encode(texts[0], add_special_tokens=False).ids]
         return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        if self._chat_tokenizer is None:
+            self._chat_tokenizer = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+            self._chat_tokenizer.encode_special_tokens = False
+        # The Python binding reports offsets in characters (not bytes) of the original text; they are
+        # exactly what transformers' char_to_token searches, so masks built from them agree with it.
+        encoding = self._chat_tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(offset) for offset in encoding.offsets]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -152,18 +217,33 @@ class TiktokenTokenizer(Tokenizer):
         eos_token: str,
         pad_token: str | None = None,
         name: str = "tokenizer.model",
+        chat_template: str | None = None,
     ):
         self._encoding = tiktoken.Encoding(
             name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
         )
         self._vocab_size = len(ranks) + len(special_tokens)
-        super().__init__(special_tokens, bos_token, eos_token, pad_token)
+        super().__init__(special_tokens, bos_token, eos_token, pad_token, chat_template)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
         # encode_ordinary never matches special tokens: their strings stay text.
         if len(texts) == 1:
             return [self._encoding.encode_ordinary(texts[0])]
         return self._encoding.encode_ordinary_batch(texts)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self._encoding.encode(text, allowed_special="all")
+        # tiktoken's decode_with_offsets gives start offsets only, so derive (start, end) from each token's
+        # bytes the way Hugging Face's byte-level tokenizers do: a token spans every character it holds
+        # a byte of. `chars` counts the characters begun in the bytes so far (UTF-8 continuation bytes
+        # are 0b10xxxxxx); a token starting with a continuation byte starts inside the last one begun.
+        offsets = []
+        chars = 0
+        for token in self._encoding.decode_tokens_bytes(ids):
+            start = chars - 1 if token[0] & 0xC0 == 0x80 else chars
+            chars += sum(1 for byte in token if byte & 0xC0 != 0x80)
+            offsets.append((start, chars))
+        return ids, offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
@@ -209,8 +289,21 @@ def _special_token_names(config: dict) -> dict[str, str | None]:
     return names
 
 
+def _chat_template(config: dict) -> str | None:
+    template = config.get("chat_template")
+    # Older Hugging Face configs may hold several named templates; the "default" one is the chat format.
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 def _load_tokenizer_json(folder: pathlib.Path, config: dict) -> Tokenizer:
-    return HFTokenizer(tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")), **_special_token_names(config))
+    return HFTokenizer(
+        tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")),
+        **_special_token_names(config),
+        chat_template=_chat_template(config),
+    )
 
 
 def _load_tokenizer_model(folder: pathlib.Path, config: dict) -> Tokenizer:
@@ -225,7 +318,9 @@ def _load_tokenizer_model(folder: pathlib.Path, config: dict) -> Tokenizer:
     clash = set(special_tokens.values()) & set(ranks.values())
     if clash:
         raise ValueError(f"{path}: special token ids {sorted(clash)[:5]} are also BPE ranks")
-    return TiktokenTokenizer(ranks, special_tokens, name=str(path), **_special_token_names(config))
+    return TiktokenTokenizer(
+        ranks, special_tokens, name=str(path), **_special_token_names(config), chat_template=_chat_template(config)
+    )
 
 
 def is_tiktoken_file(path: pathlib.Path) -> bool:
