@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
@@ -59,5 +60,6 @@ def evaluate(
     # Validator checks nothing about `enable`; it reads the split the [validation] section names.
     validation = dataclasses.replace(cfg.validation, enable=True)
     validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=spec.build_loss_fn(),
-                          device=device, autocast=compute_autocast(cfg.training, device))
+                          device=device, autocast=compute_autocast(cfg.training, device),
+                          model_inputs=DocumentMasking.from_config(cfg.model, cfg.training).model_inputs)
     return validator.validate([model], step=0)

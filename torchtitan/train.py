@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.components.expert_load import ExpertLoadBalancer
 from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import count_valid_tokens
@@ -25,7 +26,7 @@ from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.loading import config_to_dict, format_help, save_resolved_config
 from torchtitan.config.validation import load_and_validate
-from torchtitan.data import DataError
+from torchtitan.data import Batch, DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
@@ -74,6 +75,8 @@ class Trainer:
                                                                training.seq_len)
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token; {self.parallel_dims}")
+        self.masking = DocumentMasking.from_config(cfg.model, training)
+        logger.info(self.masking.describe())
         self.loss_fn = spec.build_loss_fn(
             compile_loss=cfg.compile.enable and "loss" in cfg.compile.components, backend=cfg.compile.backend
         )
@@ -124,6 +127,8 @@ class Trainer:
             prefetch_factor=training.dataloader.prefetch_factor,
             persistent_workers=training.dataloader.persistent_workers,
             text_column=training.dataset_text_column,
+            dataset_format=training.dataset_format,
+            chat=training.chat,
         )
         self.expert_loads = None
         if getattr(self.model_args, "moe", None) is not None:
@@ -188,26 +193,25 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.benchmark = False
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
-        microbatches = [self._shard_for_cp(input_ids.to(self.device, non_blocking=True),
-                                           labels.to(self.device, non_blocking=True))
-                        for input_ids, labels in microbatches]
-        # The loss is normalised by the valid tokens of the whole step on all ranks, known up front.
-        local_tokens = sum(count_valid_tokens(labels) for _, labels in microbatches)
-        global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh)
+        microbatches = [self._to_device_and_shard(batch) for batch in microbatches]
+        # The loss is normalised by the trained (non-ignored) tokens of the whole step on all ranks, known
+        # up front; at least 1, so a step whose labels are all ignored contributes zero, not NaN.
+        local_tokens = sum(count_valid_tokens(batch.labels) for batch in microbatches)
+        global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh).clamp(min=1)
         step_loss = torch.zeros((), device=self.device)
-        for index, (input_ids, labels) in enumerate(microbatches):
+        for index, batch in enumerate(microbatches):
             if self.pipeline is not None:
                 # The pipeline stage syncs its gradients itself at the end of every schedule step.
-                step_loss += self._pipeline_forward_backward(input_ids, labels, global_tokens)
+                step_loss += self._pipeline_forward_backward(batch, global_tokens)
                 continue
             set_gradient_sync(self.model_parts, last_microbatch=index == len(microbatches) - 1)
             with self.autocast():
-                logits = self.model_parts[0](input_ids)
+                logits = self.model_parts[0](batch.input_ids, **self.masking.model_inputs(batch))
             with loss_parallel_context(self.loss_parallel):
-                loss = self.loss_fn(logits, labels, global_tokens)
+                loss = self.loss_fn(logits, batch.labels, global_tokens)
                 del logits  # the largest activation; free it before backward allocates gradients
                 loss.backward()
             step_loss += to_local_scalar(loss.detach())
@@ -222,38 +226,42 @@ class Trainer:
         # Only the ranks holding the last stage have a loss; the others add zero.
         return sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh), grad_norm
 
-    def _shard_for_cp(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each context-parallel rank computes on its head and tail chunks of every sequence."""
+    def _to_device_and_shard(self, batch: Batch) -> Batch:
+        """The batch on the device; under context parallelism, each rank's head and tail chunks of every
+        sequence (document ids and positions sharded exactly like the tokens)."""
+        batch = Batch(*(t.to(self.device, non_blocking=True) for t in batch))
         if not self.parallel_dims.cp_enabled:
-            return input_ids, labels
+            return batch
         cp_mesh = self.parallel_dims.submesh("cp")
         rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-        return shard_sequence(input_ids, 1, rank, size), shard_sequence(labels, 1, rank, size)
+        return Batch(*(shard_sequence(t, 1, rank, size) for t in batch))
 
-    def _validation_batch_loss(self, model_parts: list[torch.nn.Module], input_ids: torch.Tensor,
-                               labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _validation_batch_loss(self, model_parts: list[torch.nn.Module],
+                               batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy and valid tokens of one validation batch on this rank (all stages summed)."""
-        input_ids, labels = self._shard_for_cp(input_ids, labels)
+        batch = self._to_device_and_shard(batch)
+        inputs = self.masking.model_inputs(batch)
         with self.autocast(), loss_parallel_context(self.loss_parallel):
             if self.pipeline is None:
-                loss = to_local_scalar(self.loss_fn(model_parts[0](input_ids), labels, 1.0))
+                loss = to_local_scalar(self.loss_fn(model_parts[0](batch.input_ids, **inputs), batch.labels, 1.0))
             else:
                 pipe, losses = self.pipeline, []
-                pipe.schedule.eval(*((input_ids,) if pipe.has_first_stage else ()),
-                                   target=labels if pipe.has_last_stage else None, losses=losses)
+                pipe.schedule.eval(*((batch.input_ids,) if pipe.has_first_stage else ()),
+                                   target=batch.labels if pipe.has_last_stage else None, losses=losses, **inputs)
                 loss = sum((to_local_scalar(x) for x in losses), torch.zeros((), device=self.device))
                 loss = sum_over(loss, self.parallel_dims.submesh("pp"))
-        return loss, count_valid_tokens(labels)
+        return loss, count_valid_tokens(batch.labels)
 
-    def _pipeline_forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                                   global_tokens: torch.Tensor) -> torch.Tensor:
-        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its loss sum."""
+    def _pipeline_forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its loss sum.
+        Document ids and positions go to every stage as keyword arguments, split like the tokens."""
         pipe = self.pipeline
         losses = [] if pipe.has_last_stage else None
-        inputs = (input_ids,) if pipe.has_first_stage else ()
+        inputs = (batch.input_ids,) if pipe.has_first_stage else ()
         with self.autocast(), loss_parallel_context(self.loss_parallel):
-            pipe.schedule.step(*inputs, target=labels if pipe.has_last_stage else None, losses=losses,
-                               loss_kwargs={"global_valid_tokens": global_tokens}, return_outputs=False)
+            pipe.schedule.step(*inputs, target=batch.labels if pipe.has_last_stage else None, losses=losses,
+                               loss_kwargs={"global_valid_tokens": global_tokens}, return_outputs=False,
+                               **self.masking.model_inputs(batch))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([to_local_scalar(loss.detach()) for loss in losses]).sum()

@@ -8,14 +8,21 @@ from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CON
 
 
 # The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
-DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training")
+DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",
+                        "test_document_masking_training")
 
 
 @pytest.fixture(scope="session")
-def debug_runs(tmp_path_factory):
+def debug_folder(tmp_path_factory):
+    """Where the debug_runs layouts write: {debug_folder}/{layout}/ is each layout's job.dump_folder."""
+    return tmp_path_factory.mktemp("debug_layouts")
+
+
+@pytest.fixture(scope="session")
+def debug_runs(debug_folder):
     """Every debug-model layout of the parity modules and the single-process reference, run with one launch
     per process count for the whole suite (parity.COMMON flags)."""
-    folder = tmp_path_factory.mktemp("debug_layouts")
+    folder = debug_folder
     layouts = {"reference": (1, ["--training.local_batch_size", "8"])}
     for name in DEBUG_LAYOUT_MODULES:
         module = importlib.import_module(f"tests.integration.{name}")

@@ -83,19 +83,21 @@ def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[
 
 def train_matrix(folder: Path, layouts: dict[str, tuple[int, list[str]]], config: str = CONFIG,
                  common=COMMON, entry: str = "torchtitan.train:main") -> dict[str, list[dict] | str]:
-    """Run every layout (name: (nproc, flags)) with one torchrun launch per process count; flags may name
-    another ``--job.config_file`` (the last one given wins, as on the command line).
+    """Run every layout (name: (nproc, flags) or (nproc, flags, entry)) with one torchrun launch per process
+    count; flags may name another ``--job.config_file`` (the last one given wins, as on the command line).
 
     Start-up (interpreters, imports, rendezvous) is paid once per launch instead of once per layout; the
     jobs run one after another in the same processes (tests/integration/matrix_worker.py). Returns the
     metrics rows of each layout, or the reason it has none (its failure, or an earlier job's). ``entry``
-    ("module:function") runs each job in place of the trainer's main, e.g. one that also counts collectives.
+    ("module:function") runs each job in place of the trainer's main, e.g. one that also counts collectives;
+    a layout's own entry takes precedence.
     """
     results: dict[str, list[dict] | str] = {}
-    for nproc in sorted({nproc for nproc, _ in layouts.values()}):
-        names = [name for name, (n, _) in layouts.items() if n == nproc]
-        jobs = [{"name": name, "entry": entry, "argv": ["--job.config_file", config, *common, *layouts[name][1],
-                                                        f"--job.dump_folder={folder / name}"]} for name in names]
+    for nproc in sorted({layout[0] for layout in layouts.values()}):
+        names = [name for name, layout in layouts.items() if layout[0] == nproc]
+        jobs = [{"name": name, "entry": (layouts[name] + (entry,))[2],
+                 "argv": ["--job.config_file", config, *common, *layouts[name][1], f"--job.dump_folder={folder / name}"]}
+                for name in names]
         spec = folder / f"matrix-{nproc}.json"
         spec.parent.mkdir(parents=True, exist_ok=True)
         spec.write_text(json.dumps(jobs))

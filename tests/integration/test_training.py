@@ -53,11 +53,12 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path):
 
 def test_loss_is_the_token_mean_cross_entropy(tmp_path):
     trainer = make_trainer(tmp_path, "--training.steps", "1")
-    inputs, labels = next(iter(trainer.dataloader))
+    batch = next(iter(trainer.dataloader))
+    inputs, labels = batch.input_ids, batch.labels
     model = trainer.model_parts[0]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
-    loss, _ = trainer.train_step([(inputs, labels)])
+    loss, _ = trainer.train_step([batch])
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
 
 

@@ -57,7 +57,7 @@ def take(loader, n):
 
 def rows(batches):
     """The (input_ids + last label) windows of micro-batches, as lists."""
-    return [inputs[i].tolist() + [labels[i, -1].item()] for inputs, labels in batches for i in range(len(inputs))]
+    return [inputs[i].tolist() + [labels[i, -1].item()] for inputs, labels, *_ in batches for i in range(len(inputs))]
 
 
 def loader_for(tokenizer, name, **overrides):
@@ -72,7 +72,7 @@ def test_windows_are_the_packed_document_stream(tokenizer, rng):
     one_pass = [t for doc in documents if doc.strip() for t in tokenizer.encode(doc, bos=True, eos=True)]
     assert len(samples) == (len(one_pass) - 1) // seq_len
     expected = reference_windows(tokenizer, documents, seq_len, len(samples))
-    for (inputs, labels, _), window in zip(samples, expected, strict=True):
+    for ((inputs, labels, *_), _), window in zip(samples, expected, strict=True):
         assert inputs.dtype == labels.dtype == torch.long and inputs.shape == (1, seq_len)
         assert inputs[0].tolist() == window[:-1] and labels[0].tolist() == window[1:]
 
@@ -122,7 +122,7 @@ def test_dp_ranks_partition_the_single_process_batches_in_order(tokenizer, rng):
     single = take(loader_for(tokenizer, "test_partition", local_batch_size=6), 7)
     for rank in range(3):
         ours = take(loader_for(tokenizer, "test_partition", local_batch_size=2, dp_rank=rank, dp_world_size=3), 7)
-        for (inputs, labels), (all_inputs, all_labels) in zip(ours, single, strict=True):
+        for (inputs, labels, *_), (all_inputs, all_labels, *_) in zip(ours, single, strict=True):
             assert torch.equal(inputs, all_inputs.view(2, 3, -1)[:, rank])
             assert torch.equal(labels, all_labels.view(2, 3, -1)[:, rank])
 
@@ -155,7 +155,7 @@ def test_resume_gives_exactly_the_next_50_batches(tokenizer, rng, parquet_folder
 
     resumed = loader_for(tokenizer, "pydocs", **kwargs)
     resumed.load_state_dict(state)
-    for (inputs, labels), (expected_inputs, expected_labels) in zip(
+    for (inputs, labels, *_), (expected_inputs, expected_labels, *_) in zip(
         take(resumed, 50), uninterrupted[consumed:], strict=True
     ):
         assert torch.equal(inputs, expected_inputs) and torch.equal(labels, expected_labels)
@@ -228,7 +228,7 @@ def test_persistent_workers_restart_at_a_loaded_position(tokenizer, rng):
 
 def test_bad_states_and_arguments_are_rejected(tokenizer):
     loader = loader_for(tokenizer, "pydocs")
-    assert loader.state_dict() == {"stream_position": {"epoch": 0, "document": 0, "offset": 0}}
+    assert loader.state_dict() == {"stream_position": {"epoch": 0, "document": 0, "offset": 0}, "counts": {}}
     with pytest.raises(ValueError, match="expected 'stream_position'"):
         loader.load_state_dict({"epoch": 0})
     with pytest.raises(ValueError, match="invalid stream position.*document"):
@@ -245,6 +245,6 @@ def test_bad_states_and_arguments_are_rejected(tokenizer):
 
 def test_pydocs_is_the_default_and_has_a_validation_split(tokenizer):
     loader = loader_for(tokenizer, "pydocs", seq_len=64, local_batch_size=2, split="validation")
-    inputs, _ = next(iter(loader))
+    inputs, *_ = next(iter(loader))
     assert inputs[0, 0].item() == tokenizer.bos_id
     assert tokenizer.decode(inputs[0, 1:].tolist()) in load_pydocs_documents("validation")[0]

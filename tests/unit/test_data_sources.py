@@ -139,7 +139,7 @@ def _append(path, text):
 
 BAD = {
     "number": "column 'text' holds int 5, not text",
-    "null": "column 'text' holds NoneType",
+    "null": "has no value in column 'text' (missing or null)",
     "bad_json": "cannot read: ArrowInvalid",
     "missing_column": "has no column 'text' (columns: content, id); set dataset_text_column",
     "corrupt_parquet": "cannot read:",

@@ -19,11 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.loss import LossFn, count_valid_tokens
 from torchtitan.config.job_config import Validation
-from torchtitan.data import DataError, Tokenizer, build_dataloader
+from torchtitan.data import Batch, DataError, Tokenizer, build_dataloader
 from torchtitan.distributed.collectives import sum_over
 
-# (model parts, input_ids, labels) -> (summed token cross-entropy, valid tokens) of one batch on this rank.
-BatchLoss = Callable[[list[nn.Module], torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (model parts, batch) -> (summed token cross-entropy, valid tokens) of one batch on this rank.
+BatchLoss = Callable[[list[nn.Module], Batch], tuple[torch.Tensor, torch.Tensor]]
 
 
 def config_problems(cfg: Validation, training_seq_len: int) -> list[tuple[str, str]]:
@@ -55,15 +55,18 @@ class Validator:
         dp_mesh: DeviceMesh | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         batch_loss: BatchLoss | None = None,
+        model_inputs: Callable[[Batch], dict] = lambda batch: {},
     ):
         """``dp_mesh`` is what the sums are reduced over (data x context parallel ranks). ``batch_loss``
-        replaces the plain forward of one model part, for layouts that split the model or the sequence."""
+        replaces the plain forward of one model part, for layouts that split the model or the sequence;
+        ``model_inputs`` gives the plain forward's keyword arguments (document ids, positions)."""
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.device = device
         self.dp_mesh = dp_mesh
         self.autocast = autocast
         self.batch_loss = batch_loss or self._forward_one_part
+        self.model_inputs = model_inputs
         # Read once per validation, from the start: the same batches every time.
         self.dataloader = build_dataloader(
             tokenizer,
@@ -82,14 +85,14 @@ class Validator:
         """Whether to validate after training step `step`."""
         return self.cfg.enable and step % self.cfg.freq == 0
 
-    def _forward_one_part(self, model_parts: list[nn.Module], input_ids: torch.Tensor,
-                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_one_part(self, model_parts: list[nn.Module], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if len(model_parts) != 1:
             raise ValueError(f"validation of {len(model_parts)} model parts needs a batch_loss")
+        batch = Batch(*(t.to(self.device, non_blocking=True) for t in batch))
         with self.autocast():
-            logits = model_parts[0](input_ids)
+            logits = model_parts[0](batch.input_ids, **self.model_inputs(batch))
         # The training loss divided by 1 instead of the global token count: the summed cross-entropy.
-        return self.loss_fn(logits, labels, 1.0), count_valid_tokens(labels)
+        return self.loss_fn(logits, batch.labels, 1.0), count_valid_tokens(batch.labels)
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
@@ -99,12 +102,10 @@ class Validator:
             part.eval()
         # Summed in fp32 as [loss sum, valid tokens]; one all-reduce at the end.
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)
-        for batch_index, (input_ids, labels) in enumerate(self.dataloader):
+        for batch_index, batch in enumerate(self.dataloader):
             if self.cfg.steps != -1 and batch_index >= self.cfg.steps:
                 break
-            input_ids = input_ids.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            loss_sum, tokens = self.batch_loss(model_parts, input_ids, labels)
+            loss_sum, tokens = self.batch_loss(model_parts, batch)
             totals[0] += loss_sum.float()
             totals[1] += tokens
         for part in model_parts:

@@ -58,6 +58,14 @@ class Model:
     name: str = option("llama3", "Registered model (TrainSpec) name")
     flavor: str = option("debugmodel", "Model size/variant within the family")
     hf_assets_path: str = option("assets/tokenizer", "Folder holding the tokenizer (and HF config/weights)")
+    attention_mask: Literal["auto", "causal", "block_causal"] = option(
+        "auto", "causal: attend to every earlier token of the row; block_causal: only to earlier tokens of the "
+        "same document; auto: block_causal for chat data, else causal"
+    )
+    positions: Literal["auto", "global", "per_document"] = option(
+        "auto", "RoPE positions: global (0..seq_len-1 along the row) or per_document (restart at each document; "
+        "one cut by the row's start counts from 0 there); auto: per_document for chat data, else global"
+    )
     converters: list[str] = option([], "Model converters applied in order, e.g. float8")
     print_after_conversion: bool = option(False, "Print the model after converters ran")
 
@@ -93,8 +101,25 @@ class DataLoader:
 
 
 @dataclass
+class Chat:
+    messages_column: str = option("messages", "Column holding each conversation: a list of {role, content}")
+    train_on: Literal["assistant", "all"] = option(
+        "assistant", "Tokens that carry loss: the assistant turns only, or every token of the conversation"
+    )
+    overlong: Literal["truncate", "drop"] = option(
+        "truncate", "A conversation longer than seq_len is cut to seq_len tokens or left out (both counted)"
+    )
+
+
+@dataclass
 class Training:
-    dataset: str = option("pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103")
+    dataset: str = option(
+        "pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103 (text); pydocs_chat (chat)"
+    )
+    dataset_format: Literal["text", "chat"] = option(
+        "text", "text: documents packed end to end; chat: conversations rendered with the tokenizer's chat "
+        "template, trained per training.chat"
+    )
     dataset_path: str | None = option(
         None, "Local json/jsonl/parquet/arrow/txt file or folder; used instead of training.dataset when set"
     )
@@ -115,6 +140,7 @@ class Training:
     mixed_precision_reduce: Literal["float32", "bfloat16"] = option("float32", "Dtype gradients are reduced in")
     gc_freq: int = option(50, "Run Python garbage collection every this many steps")
     dataloader: DataLoader = section(DataLoader, "Data loader settings")
+    chat: Chat = section(Chat, "Chat (supervised fine-tuning) data settings")
 
 
 @dataclass

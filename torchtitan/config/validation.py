@@ -132,8 +132,12 @@ def _check_model(c: _Checker) -> None:
 
     from torchtitan.components.expert_load import config_problems as moe_problems
 
+    from torchtitan.components.document_masking import config_problems as masking_problems
+
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
+    if spec is not None:
+        c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls))
     adapter = spec.state_dict_adapter
     # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
     defaults = {f"moe.{f.name}": f.default for f in dataclasses.fields(c.cfg.moe)}
@@ -165,7 +169,8 @@ def _check_data(c: _Checker) -> None:
             continue
         # A registered dataset can always be swapped for local files.
         c.report(section, [(field, reason if field == "dataset_path" else f"{reason} (or set {section}.dataset_path)")
-                           for field, reason in source_problems(s.dataset, s.dataset_path, split)])
+                           for field, reason in source_problems(s.dataset, s.dataset_path, split,
+                                                                getattr(s, "dataset_format", "text"))])
     c.report("validation", config_problems(c.cfg.validation, c.cfg.training.seq_len))
 
 

@@ -1,4 +1,4 @@
-"""The stateful dataloader that feeds (input_ids, labels) micro-batches to training.
+"""The stateful dataloader that feeds `Batch` micro-batches (tokens, labels, document ids, positions) to training.
 
 Its state (``state_dict()``, saved per data-parallel rank) is the position in the global token stream
 after the last micro-batch it handed out: a document index and a token offset in it (see
@@ -18,39 +18,44 @@ import traceback
 import warnings
 from collections.abc import Iterator
 
-import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.preemption import ignore_preemption_signals
-from torchtitan.data.dataset import PackedTokenDataset, StreamPosition
+from torchtitan.config.job_config import Chat
+from torchtitan.data.chat import PackedChatDataset
+from torchtitan.data.dataset import Batch, PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
 
 
 class TokenDataLoader(StatefulDataLoader):
-    """Iterates a rank's (input_ids, labels) micro-batches; resumable at any micro-batch (see the module doc).
+    """Iterates a rank's `Batch` micro-batches; resumable at any micro-batch (see the module doc).
 
     Every ``iter()`` starts at the start position: the beginning of the data, or the position given to
-    ``load_state_dict``.
+    ``load_state_dict``. ``counts`` totals what the dataset reports per round (e.g. conversations
+    truncated to fit a sequence) over the micro-batches handed out; it is saved with the position.
     """
 
-    def __init__(self, dataset: PackedTokenDataset, **loader_kwargs):
+    def __init__(self, dataset: PackedTokenDataset | PackedChatDataset, **loader_kwargs):
         with warnings.catch_warnings():
             # torchdata 0.11 calls a torch API that torch now deprecates; the warning is not ours to act on.
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             # The dataset yields whole micro-batches: a worker owns a micro-batch, not single windows.
             super().__init__(dataset, batch_size=None, **loader_kwargs)
         self._position = dataset.start
+        self.counts: dict[str, int] = {}
+        self._start_counts: dict[str, int] = {}
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         self._position = self.dataset.start
+        self.counts = dict(self._start_counts)
         return self._batches(super().__iter__())
 
-    def _batches(self, items: Iterator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self, items: Iterator) -> Iterator[Batch]:
         while True:
             try:
-                input_ids, labels, position = next(items)
+                batch, state = next(items)
             except StopIteration:
                 return
             except DataError as e:
@@ -60,8 +65,10 @@ class TokenDataLoader(StatefulDataLoader):
                 # that way stalls for torch's 5 s join timeout per worker. Clearing the frames breaks it.
                 traceback.clear_frames(e.__traceback__)
             else:
-                self._position = StreamPosition.from_state_dict(position)
-                yield input_ids, labels
+                self._position = StreamPosition.from_state_dict(state["position"])
+                for name, count in state.get("counts", {}).items():
+                    self.counts[name] = self.counts.get(name, 0) + count
+                yield batch
                 continue
             # Raised outside the except block (no exception context), after dropping the iterator:
             # its workers stop now.
@@ -70,14 +77,15 @@ class TokenDataLoader(StatefulDataLoader):
             raise error
 
     def state_dict(self) -> dict:
-        """The stream position after the last micro-batch handed out (layout-independent)."""
-        return {"stream_position": self._position.state_dict()}
+        """The stream position after the last micro-batch handed out (layout-independent), and the counts."""
+        return {"stream_position": self._position.state_dict(), "counts": dict(self.counts)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next iteration start right after the micro-batch at which state_dict was taken."""
         if "stream_position" not in state_dict:
             raise ValueError(f"dataloader state has keys {sorted(state_dict)}; expected 'stream_position'")
         self.dataset.start = self._position = StreamPosition.from_state_dict(state_dict["stream_position"])
+        self.counts = self._start_counts = dict(state_dict.get("counts", {}))
         # Persistent workers keep their copy of the dataset; start new ones that see the new position.
         self._iterator = None
 
@@ -98,21 +106,26 @@ def build_dataloader(
     text_column: str = "text",
     split: str = "train",
     infinite: bool = True,
+    dataset_format: str = "text",
+    chat: Chat | None = None,
 ) -> TokenDataLoader:
-    """Return a resumable loader of one rank's (input_ids, labels) micro-batches, each [local_batch_size, seq_len].
+    """Return a resumable loader of one rank's `Batch` micro-batches, each field [local_batch_size, seq_len].
 
-    dataset_path (local files or a folder) takes precedence over the registered dataset name.
+    dataset_path (local files or a folder) takes precedence over the registered dataset name. With
+    ``dataset_format`` "chat" the rows are conversations (column ``chat.messages_column`` of files), packed
+    as ``chat`` says (data/chat.py).
     """
-    packed = PackedTokenDataset(
-        load_documents(dataset, dataset_path, split, text_column),
-        tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        infinite=infinite,
-        label=repr(dataset_path if dataset_path is not None else dataset),
-    )
+    label = repr(dataset_path if dataset_path is not None else dataset)
+    layout = dict(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                  infinite=infinite, label=label)
+    if dataset_format == "chat":
+        chat = chat or Chat()
+        conversations = load_documents(dataset, dataset_path, split, chat.messages_column, "chat")
+        packed = PackedChatDataset(conversations, tokenizer, train_on=chat.train_on, overlong=chat.overlong, **layout)
+    elif dataset_format == "text":
+        packed = PackedTokenDataset(load_documents(dataset, dataset_path, split, text_column), tokenizer, **layout)
+    else:
+        raise ValueError(f"dataset_format {dataset_format!r} is not one of text, chat")
     return TokenDataLoader(
         packed,
         num_workers=num_workers,

@@ -27,6 +27,7 @@ import collections
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +63,17 @@ class StreamPosition:
         return cls(**state)
 
 
+class Batch(NamedTuple):
+    """One micro-batch, every field [local_batch_size, seq_len]: the tokens, their next-token labels
+    (IGNORE_INDEX where nothing is trained), and for each token its document within the row and its
+    position within that document (see `document_ids` and `document_positions`)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    document_ids: torch.Tensor
+    positions: torch.Tensor
+
+
 def document_ids(input_ids: torch.Tensor, bos_id: int) -> torch.Tensor:
     """Index of each token's document within its row (0 = the row's first), for attention that masks across documents.
 
@@ -70,6 +82,26 @@ def document_ids(input_ids: torch.Tensor, bos_id: int) -> torch.Tensor:
     """
     starts = (input_ids == bos_id).cumsum(-1)
     return starts - starts[..., :1]
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document, counted from the document's first token in the row.
+
+    A document cut by the start of the row (it began in the previous window) counts from 0 there: the row
+    is all the model sees of it. ``document_ids`` must not decrease along a row (packing never revisits a
+    document).
+    """
+    index = torch.arange(document_ids.size(-1), device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def text_batch(windows: torch.Tensor, bos_id: int) -> Batch:
+    """The micro-batch of packed windows of seq_len + 1 tokens (inputs w[:-1], labels w[1:])."""
+    input_ids = windows[:, :-1].contiguous()
+    ids = document_ids(input_ids, bos_id)
+    return Batch(input_ids, windows[:, 1:].contiguous(), ids, document_positions(ids))
 
 
 class _TokenStream:
@@ -156,8 +188,8 @@ class _TokenStream:
 class PackedTokenDataset(IterableDataset):
     """One data-parallel rank's micro-batches of the global window stream (see the module doc).
 
-    Yields ``(input_ids, labels, position)``: two LongTensors [local_batch_size, seq_len] and the
-    `StreamPosition` state after the whole round, identical on every rank. With ``infinite=False`` the
+    Yields ``(batch, state)``: a `Batch` of LongTensors [local_batch_size, seq_len] and ``{"position":
+    the StreamPosition state after the whole round}``, identical on every rank. With ``infinite=False`` the
     data is read once and a trailing partial round is dropped, so every rank yields the same number of
     micro-batches; otherwise the stream starts over from the first document after the last (next pass).
     """
@@ -195,7 +227,7 @@ class PackedTokenDataset(IterableDataset):
         rows = np.arange(local_batch_size)[:, None] * dp_world_size + dp_rank
         self._window_index = rows * seq_len + np.arange(seq_len + 1)[None, :]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
+    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
         stream = _TokenStream(self.documents, self.tokenizer, self.start, self.infinite, self.label,
@@ -206,5 +238,5 @@ class PackedTokenDataset(IterableDataset):
             if tokens is None:
                 return
             if step % num_workers == worker_id:
-                windows = torch.from_numpy(tokens[self._window_index])
-                yield windows[:, :-1].contiguous(), windows[:, 1:].contiguous(), stream.position().state_dict()
+                batch = text_batch(torch.from_numpy(tokens[self._window_index]), self.tokenizer.bos_id)
+                yield batch, {"position": stream.position().state_dict()}

@@ -1,6 +1,7 @@
 """Where documents come from: registered datasets (pydocs, HF hub datasets) and local files.
 
-A document source is a re-iterable of strings in a fixed order. Hub datasets and local files
+A document source is a re-iterable in a fixed order of strings (text datasets) or of conversations, each
+a list of {"role", "content"} messages (chat datasets, see data/chat.py). Hub datasets and local files
 (``training.dataset_path``) are read by the same code, ``datasets.load_dataset(..., streaming=True)``,
 so the local-file tests exercise the path that streams from the hub on a connected machine.
 
@@ -16,13 +17,17 @@ import pathlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from torchtitan.data.chat import load_pydocs_chat
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.registry import Registry
 
-DocumentLoader = Callable[[str], Iterable[str]]
+DocumentLoader = Callable[[str], Iterable]
 
 DATASETS: Registry[DocumentLoader] = Registry("dataset", replace=True)
+# The format of each registered dataset's rows: "text" (strings) or "chat" (conversations).
+DATASET_FORMATS: dict[str, str] = {}
+_ROW_TYPES = {"text": (str, "text"), "chat": (list, "a list of messages")}
 
 # File suffix -> the `datasets` builder that reads it; json, jsonl and txt may also be gzipped (.gz).
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
@@ -32,9 +37,13 @@ _COMPRESSIBLE = (".jsonl", ".json", ".txt")
 _ROWS_PER_READ = 1024
 
 
-def register_dataset(name: str, loader_fn: DocumentLoader) -> None:
-    """Register (or replace) a dataset: loader_fn(split) returns that split's documents, re-iterable."""
+def register_dataset(name: str, loader_fn: DocumentLoader, format: str = "text") -> None:
+    """Register (or replace) a dataset: loader_fn(split) returns that split's documents, re-iterable;
+    ``format`` "chat" when they are conversations rather than text."""
+    if format not in _ROW_TYPES:
+        raise ValueError(f"dataset format {format!r} is not one of {', '.join(_ROW_TYPES)}")
     DATASETS.register(name, loader_fn)
+    DATASET_FORMATS[name] = format
 
 
 def registered_datasets() -> list[str]:
@@ -53,9 +62,12 @@ def _quiet_datasets_errors() -> None:
 
 
 def _stream_texts(
-    open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], int | None]
-) -> Iterator[str]:
-    """Yield the text column of a streamed `datasets` dataset row by row, turning bad data into DataError."""
+    open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], int | None],
+    format: str = "text",
+) -> Iterator:
+    """Yield one column of a streamed `datasets` dataset row by row (text, or conversations for the chat
+    format), turning bad data into DataError."""
+    row_type, row_kind = _ROW_TYPES[format]
     _quiet_datasets_errors()
     row = 0
     try:
@@ -63,13 +75,15 @@ def _stream_texts(
             if text_column not in rows:
                 raise DataError(
                     f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(sorted(rows))}); "
-                    f"set dataset_text_column"
+                    f"set {'dataset_text_column' if format == 'text' else 'training.chat.messages_column'}"
                 )
             for text in rows[text_column]:
-                if not isinstance(text, str):
+                if text is None:  # a row without the column, where other rows have it
+                    raise DataError(f"{where}: row {row} has no value in column {text_column!r} (missing or null)")
+                if not isinstance(text, row_type):
                     raise DataError(
                         f"{where}: row {row}: column {text_column!r} holds {type(text).__name__} {text!r:.40}, "
-                        f"not text"
+                        f"not {row_kind}"
                     )
                 yield text
                 row += 1
@@ -127,9 +141,10 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
 class LocalFiles:
     """Documents of local files (one row each), read file after file in sorted order on every iteration."""
 
-    def __init__(self, path: str | pathlib.Path, text_column: str = "text"):
+    def __init__(self, path: str | pathlib.Path, text_column: str = "text", format: str = "text"):
         self.files = data_files(path)
         self.text_column = text_column
+        self.format = format
 
     def __iter__(self) -> Iterator[str]:
         import datasets
@@ -143,7 +158,7 @@ class LocalFiles:
             def locate(path=path, suffix=suffix):
                 return _first_bad_json_line(path) if suffix == ".jsonl" else None
 
-            yield from _stream_texts(open_file, str(path), self.text_column, locate)
+            yield from _stream_texts(open_file, str(path), self.text_column, locate, self.format)
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,7 @@ class HubDocuments:
     config: str | None
     split: str
     text_column: str = "text"
+    format: str = "text"
 
     def __iter__(self) -> Iterator[str]:
         import datasets
@@ -166,7 +182,7 @@ class HubDocuments:
                 f"{where}: cannot open: {_one_line(e)}; check the network and HF_TOKEN, "
                 f"or set training.dataset_path to a local copy"
             ) from None
-        yield from _stream_texts(lambda: dataset, where, self.text_column, lambda: None)
+        yield from _stream_texts(lambda: dataset, where, self.text_column, lambda: None, self.format)
 
 
 @dataclass(frozen=True)
@@ -176,11 +192,13 @@ class HubDataset:
     path: str
     config: str | None
     splits: dict[str, str]
+    column: str = "text"
+    format: str = "text"
 
     def __call__(self, split: str) -> HubDocuments:
         if split not in self.splits:
             raise DataError(f"hub dataset {self.path} has no {split!r} split here; valid: {', '.join(self.splits)}")
-        return HubDocuments(self.path, self.config, self.splits[split])
+        return HubDocuments(self.path, self.config, self.splits[split], self.column, self.format)
 
 
 HUB_DATASETS = {
@@ -194,16 +212,22 @@ HUB_DATASETS = {
 }
 
 register_dataset("pydocs", load_pydocs_documents)
+register_dataset("pydocs_chat", load_pydocs_chat, "chat")
 for _name, _dataset in HUB_DATASETS.items():
-    register_dataset(_name, _dataset)
+    register_dataset(_name, _dataset, _dataset.format)
 
 
-def source_problems(dataset: str, dataset_path: str | None, split: str) -> list[tuple[str, str]]:
+def source_problems(dataset: str, dataset_path: str | None, split: str,
+                    format: str = "text") -> list[tuple[str, str]]:
     """Problems with a section's data source (its ``dataset`` / ``dataset_path`` fields) as (field, reason)."""
     if dataset_path is not None:
         return [] if pathlib.Path(dataset_path).exists() else [("dataset_path", "does not exist")]
     if dataset not in DATASETS:
         return [("dataset", f"is not a registered dataset; valid: {', '.join(registered_datasets())}")]
+    if DATASET_FORMATS.get(dataset, "text") != format:
+        same = [name for name in registered_datasets() if DATASET_FORMATS.get(name, "text") == format]
+        return [("dataset", f"holds {DATASET_FORMATS.get(dataset, 'text')} data, not {format} (dataset_format); "
+                            f"valid {format} datasets: {', '.join(same)}")]
     hub = HUB_DATASETS.get(dataset)
     if hub is not None and split not in hub.splits:
         with_split = ["pydocs"] + [name for name, d in HUB_DATASETS.items() if split in d.splits]
@@ -211,10 +235,15 @@ def source_problems(dataset: str, dataset_path: str | None, split: str) -> list[
     return []
 
 
-def load_documents(dataset: str, dataset_path: str | None, split: str, text_column: str = "text") -> Iterable[str]:
-    """The documents of a split: the local dataset_path if given (it has no splits), else the registered dataset."""
+def load_documents(dataset: str, dataset_path: str | None, split: str, text_column: str = "text",
+                   format: str = "text") -> Iterable:
+    """The documents of a split: the local dataset_path if given (it has no splits), else the registered
+    dataset; ``text_column`` is the column read from files (the messages column for chat data)."""
     if dataset_path is not None:
-        return LocalFiles(dataset_path, text_column)
+        return LocalFiles(dataset_path, text_column, format)
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; registered datasets: {', '.join(registered_datasets())}")
+    if DATASET_FORMATS.get(dataset, "text") != format:
+        raise DataError(f"dataset {dataset!r} holds {DATASET_FORMATS[dataset]} data, not {format}; set "
+                        f"training.dataset_format = {DATASET_FORMATS[dataset]!r}")
     return DATASETS.get(dataset)(split)

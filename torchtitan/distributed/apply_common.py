@@ -7,6 +7,7 @@ model of another shape applies its own tensor-parallel plan and then calls
 
 from torch import nn
 
+from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
@@ -37,8 +38,11 @@ def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: Parallel
                                parallelism.context_parallel_rotate_method)
     apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        # Context-parallel attention and the MoE's token counting and exchange run eagerly between graphs.
-        apply_compile(model, job_config.compile.backend, fullgraph=not (parallel_dims.cp_enabled or has_moe))
+        # Context-parallel attention, the MoE's token counting and exchange, and block-causal attention's
+        # per-document loop (off CUDA) run eagerly between graphs.
+        block_causal = DocumentMasking.from_config(job_config.model, training).block_causal
+        apply_compile(model, job_config.compile.backend,
+                      fullgraph=not (parallel_dims.cp_enabled or has_moe or block_causal))
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,

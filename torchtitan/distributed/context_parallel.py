@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
+from torchtitan.models.attention import DocumentMask, document_spans
 
 METHODS = ("allgather", "ring")
 
@@ -237,7 +238,7 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 class _Ctx:
     """What both methods share: the group, shapes, kernel choice, and the per-block forward/backward."""
 
-    def __init__(self, group, q, k, method, scale, use_kernel):
+    def __init__(self, group, q, k, method, scale, use_kernel, documents: DocumentMask | None = None):
         self.group = group
         self.cp = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
@@ -248,6 +249,41 @@ class _Ctx:
         self.scale = scale
         self.dtype = _compute_dtype(q)
         self.kernel = _pick_kernel(q.device, self.dtype, self.head_dim, use_kernel)
+        # Block-causal attention: our tokens' document ids, the whole sequence's (in order), and the
+        # per-document sub-blocks of each block, found once per forward and shared by all layers.
+        self.documents = documents
+        if documents is not None:
+            self.local_ids = documents.ids
+            self.full_ids = documents.cache.get("cp_full_ids")
+            if self.full_ids is None:
+                self.full_ids = documents.cache["cp_full_ids"] = self._gather_ids(documents.ids)
+
+    def _gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.cp == 1:
+            return ids
+        out = ids.new_empty(self.cp * ids.size(0), ids.size(1))
+        dist.all_gather_into_tensor(out, ids.contiguous(), group=self.group)
+        return unshard_sequence(list(out.view(self.cp, *ids.shape)), dim=1)
+
+    def document_blocks(self, key, rows: slice, key_ids: torch.Tensor):
+        """None without documents; else (batch row, query start, end, key start, end) for every document
+        present both in our query ``rows`` and in the block's keys (ids ``key_ids``), rows counted from
+        ``rows.start``. Document ids never decrease along either side, so each document is one sub-block:
+        attending it alone is exact, and a block whose documents do not meet costs nothing."""
+        if self.documents is None:
+            return None
+        cache_key = ("cp_blocks", key)
+        if cache_key not in self.documents.cache:
+            self.documents.cache[cache_key] = _shared_documents(self.local_ids[:, rows], key_ids)
+        return self.documents.cache[cache_key]
+
+    @staticmethod
+    def _fold(acc_out, acc_lse, out, lse, index):
+        old_lse = acc_lse[index]
+        new_lse = torch.logaddexp(old_lse, lse.float())
+        acc_out[index] = (acc_out[index] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                          + out.float() * torch.exp(lse.float() - new_lse).unsqueeze(-1))
+        acc_lse[index] = new_lse
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """(2, B, Hkv, L, D) stacked k/v -> (2, B, H, L, D) in the compute dtype (grouped-query attention)."""
@@ -266,37 +302,61 @@ class _Ctx:
         two, b, _, n, d = dkv.shape
         return dkv.view(two, b, self.kv_heads, groups, n, d).sum(3)
 
-    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal):
-        """Attend q[rows] to the block kv = (k, v) and fold the result into the running (out, lse)."""
-        out, lse = _run_block(self.kernel, False, q[:, :, rows].contiguous(), kv[0].contiguous(),
-                              kv[1].contiguous(), causal, self.scale)
-        old_lse = acc_lse[:, :, rows]
-        new_lse = torch.logaddexp(old_lse, lse.float())
-        acc_out[:, :, rows] = (acc_out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                               + out.float() * torch.exp(lse.float() - new_lse).unsqueeze(-1))
-        acc_lse[:, :, rows] = new_lse
+    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal, blocks=None):
+        """Attend q[rows] to the block kv = (k, v) and fold the result into the running (out, lse); with
+        ``blocks`` (see document_blocks) only each document's rows to its own keys."""
+        if blocks is None:
+            out, lse = _run_block(self.kernel, False, q[:, :, rows].contiguous(), kv[0].contiguous(),
+                                  kv[1].contiguous(), causal, self.scale)
+            self._fold(acc_out, acc_lse, out, lse, (slice(None), slice(None), rows))
+            return
+        first = rows.start or 0
+        for b, qs, qe, ks, ke in blocks:
+            index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
+            out, lse = _run_block(self.kernel, False, q[index].contiguous(), kv[0, b:b + 1, :, ks:ke].contiguous(),
+                                  kv[1, b:b + 1, :, ks:ke].contiguous(), causal, self.scale)
+            self._fold(acc_out, acc_lse, out, lse, index)
 
-    def backward_block(self, dq, dout, q, out, lse, kv, rows, causal):
+    def backward_block(self, dq, dout, q, out, lse, kv, rows, causal, blocks=None):
         """Add this block's query gradient into ``dq`` and return its (dk, dv) stacked, in float32."""
-        grads = _run_block(self.kernel, True, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                           kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
-                           lse[:, :, rows].contiguous(), causal, self.scale)
-        dq[:, :, rows] += grads[0].float()
-        return self.reduce_heads(torch.stack([grads[1].float(), grads[2].float()]))
+        if blocks is None:
+            grads = _run_block(self.kernel, True, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
+                               kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
+                               lse[:, :, rows].contiguous(), causal, self.scale)
+            dq[:, :, rows] += grads[0].float()
+            return self.reduce_heads(torch.stack([grads[1].float(), grads[2].float()]))
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        first = rows.start or 0
+        for b, qs, qe, ks, ke in blocks:
+            index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
+            grads = _run_block(self.kernel, True, dout[index].contiguous(), q[index].contiguous(),
+                               kv[0, b:b + 1, :, ks:ke].contiguous(), kv[1, b:b + 1, :, ks:ke].contiguous(),
+                               out[index].contiguous(), lse[index].contiguous(), causal, self.scale)
+            dq[index] += grads[0].float()
+            dkv[0, b:b + 1, :, ks:ke] += grads[1].float()
+            dkv[1, b:b + 1, :, ks:ke] += grads[2].float()
+        return self.reduce_heads(dkv)
 
     # -- ring: which rows of ours attend to which part of the block that started on rank ``src`` -------------
     def ring_block(self, src: int, kv: torch.Tensor):
-        """(our query rows, part of kv, causal) for our queries against rank ``src``'s keys/values.
+        """(our query rows, part of kv, causal, document sub-blocks) for our queries against rank ``src``'s
+        keys/values.
 
         With src == rank the local head+tail layout is itself causal in one square block. A lower rank's
         head chunk precedes both of our chunks and its tail follows both; a higher rank's chunks both lie
         between our head and tail, so only our tail sees them. Everything else is above the diagonal.
         """
         if src == self.rank:
-            return slice(None), kv, True
-        if src < self.rank:
-            return slice(None), kv[..., : self.chunk, :], False
-        return slice(self.chunk, None), kv, False
+            rows, block, causal = slice(None), kv, True
+        elif src < self.rank:
+            rows, block, causal = slice(None), kv[..., : self.chunk, :], False
+        else:
+            rows, block, causal = slice(self.chunk, None), kv, False
+        blocks = None
+        if self.documents is not None:
+            key_ids = shard_sequence(self.full_ids, 1, src, self.cp)[:, : block.size(-2)]
+            blocks = self.document_blocks(("ring", src), rows, key_ids)
+        return rows, block, causal, blocks
 
     # -- allgather: the full sequence's keys/values in global order --------------------------------------
     def to_global(self, gathered: torch.Tensor) -> torch.Tensor:
@@ -313,12 +373,20 @@ class _Ctx:
         return torch.cat([chunks[: self.cp], chunks[self.cp:].flip(0)], dim=-2).contiguous()
 
     def allgather_blocks(self):
-        """Yield (query rows, key range, causal): each local chunk against all earlier chunks, then itself."""
+        """Yield (query rows, key range, causal, document sub-blocks): each local chunk against all earlier
+        chunks, then itself."""
         c = self.chunk
         for rows, index in ((slice(0, c), self.rank), (slice(c, None), 2 * self.cp - 1 - self.rank)):
+            blocks = []
             if index > 0:
-                yield rows, slice(0, index * c), False
-            yield rows, slice(index * c, (index + 1) * c), True
+                blocks.append((rows, slice(0, index * c), False))
+            blocks.append((rows, slice(index * c, (index + 1) * c), True))
+            for rows_, keys, causal in blocks:
+                documents = None
+                if self.documents is not None:
+                    key = ("allgather", rows_.start, keys.start, keys.stop)
+                    documents = self.document_blocks(key, rows_, self.full_ids[:, keys])
+                yield rows_, keys, causal, documents
 
     def all_gather(self, kv: torch.Tensor) -> torch.Tensor:
         """(2, B, Hkv, L, D) -> (cp, 2, B, Hkv, L, D), rank-major. Collectives concatenate along dim 0."""
@@ -362,16 +430,16 @@ class _CPAttention(torch.autograd.Function):
         acc_lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         if cp.method == "allgather" and cp.cp > 1:
             full = cp.expand(cp.to_global(cp.all_gather(kv)))
-            for rows, keys, causal in cp.allgather_blocks():
-                cp.forward_block(acc_out, acc_lse, qc, full[..., keys, :], rows, causal)
+            for rows, keys, causal, blocks in cp.allgather_blocks():
+                cp.forward_block(acc_out, acc_lse, qc, full[..., keys, :], rows, causal, blocks)
         else:
             for step in range(cp.cp):
                 works = None
                 if step < cp.cp - 1:
                     incoming = torch.empty_like(kv)
                     works = _exchange(kv, incoming, cp, tag=0)
-                rows, block, causal = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
-                cp.forward_block(acc_out, acc_lse, qc, block, rows, causal)
+                rows, block, causal, blocks = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
+                cp.forward_block(acc_out, acc_lse, qc, block, rows, causal, blocks)
                 if works is not None:
                     _wait(works)
                     kv = incoming
@@ -392,8 +460,8 @@ class _CPAttention(torch.autograd.Function):
             # Gather again rather than keep the full-length keys/values alive between forward and backward.
             full = cp.expand(cp.to_global(cp.all_gather(kv)))
             dfull = torch.zeros((2, *k.shape[:2], full.size(-2), k.size(-1)), dtype=torch.float32, device=q.device)
-            for rows, keys, causal in cp.allgather_blocks():
-                dfull[..., keys, :] += cp.backward_block(*args, full[..., keys, :], rows, causal)
+            for rows, keys, causal, blocks in cp.allgather_blocks():
+                dfull[..., keys, :] += cp.backward_block(*args, full[..., keys, :], rows, causal, blocks)
             dkv = cp.reduce_scatter(cp.from_global(dfull))
         else:
             # The gradient of each key/value block travels the ring with it and arrives home after cp hops.
@@ -403,9 +471,9 @@ class _CPAttention(torch.autograd.Function):
                 if step < cp.cp - 1:
                     incoming = torch.empty_like(kv)
                     works = _exchange(kv, incoming, cp, tag=1)
-                rows, block, causal = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
+                rows, block, causal, blocks = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
                 block_grad = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
-                block_grad[..., : block.size(-2), :] = cp.backward_block(*args, block, rows, causal)
+                block_grad[..., : block.size(-2), :] = cp.backward_block(*args, block, rows, causal, blocks)
                 if dkv_works is not None:
                     _wait(dkv_works)
                     block_grad += dkv
@@ -419,6 +487,18 @@ class _CPAttention(torch.autograd.Function):
             if dkv_works is not None:
                 _wait(dkv_works)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def _shared_documents(query_ids: torch.Tensor, key_ids: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
+    """(row, query start, end, key start, end) of each document that has both query rows and keys."""
+    blocks = []
+    q_rows, k_rows = query_ids.tolist(), key_ids.tolist()
+    for b, (q_spans, k_spans) in enumerate(zip(document_spans(query_ids), document_spans(key_ids))):
+        keys = {k_rows[b][start]: (start, end) for start, end in k_spans}
+        for start, end in q_spans:
+            if (span := keys.get(q_rows[b][start])) is not None:
+                blocks.append((b, start, end, *span))
+    return blocks
 
 
 def _resolve_group(cp_group_or_mesh):
@@ -438,7 +518,7 @@ def _resolve_group(cp_group_or_mesh):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cp_group_or_mesh: DeviceMesh | dist.ProcessGroup | None,
                                method: str = "allgather", scale: float | None = None, *,
-                               use_kernel: bool = True) -> torch.Tensor:
+                               use_kernel: bool = True, documents: DocumentMask | None = None) -> torch.Tensor:
     """Causal attention of head-tail sharded q (B, H, L, D) and k/v (B, Hkv, L, D) over a CP group.
 
     Returns this rank's (B, H, L, D) rows of causal attention over the full, unsharded sequence, with
@@ -446,6 +526,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``"allgather"`` or ``"ring"`` (see the module docstring); ``scale`` defaults to ``1/sqrt(D)``.
     ``cp_group_or_mesh`` is the 1-D cp DeviceMesh or its ProcessGroup; None means a single rank.
     ``use_kernel=False`` forces the pure-PyTorch math blocks instead of the fused SDPA kernels.
+    ``documents`` (this rank's head-tail shard of the document ids) makes it block-causal: no token
+    attends across a document boundary, also where a document spans several ranks.
     """
     if method not in METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {', '.join(METHODS)}")
@@ -459,36 +541,42 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"local sequence length {q.size(2)} must be even (a head and a tail chunk per rank)")
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
-    ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel)
+    if documents is not None and documents.ids.shape != (q.size(0), q.size(2)):
+        raise ValueError(f"document ids of shape {tuple(documents.ids.shape)} do not match the (batch, local "
+                         f"length) = {(q.size(0), q.size(2))} of q")
+    ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel, documents)
     return _CPAttention.apply(q, k, v, ctx)
 
 
 def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str) -> None:
     """Make every attention module of ``model`` attend over the cp-sharded sequence.
 
-    A model opts in by giving its attention modules an ``attention_fn(q, k, v)`` attribute and a
-    ``forward(x, rope, ...)`` whose RoPE table is indexed by position. Each rank's tokens are its
-    head and tail chunks, so its RoPE rows are those of ``cp_positions``; the training sequence length
-    is fixed, so the rows are chosen once here rather than passed through the model on every call.
+    A model opts in by giving its attention modules an ``attention_fn(q, k, v, documents=None)`` attribute
+    and a ``forward(x, rope, ..., positions=None)`` whose RoPE table is indexed by position. Each rank's
+    tokens are its head and tail chunks, so without explicit ``positions`` its RoPE rows are those of
+    ``cp_positions``; the training sequence length is fixed, so the rows are chosen once here rather than
+    passed through the model on every call. Explicit positions (sharded like the tokens) are used as given.
     """
     positions = cp_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
     on_device: dict[torch.device, torch.Tensor] = {}
 
-    def attention(q, k, v):
-        return context_parallel_attention(q, k, v, cp_mesh, method)
+    def attention(q, k, v, documents=None):
+        return context_parallel_attention(q, k, v, cp_mesh, method, documents=documents)
 
-    def rope_rows_of_this_rank(module, args):
+    def rope_rows_of_this_rank(module, args, kwargs):
+        if kwargs.get("positions") is not None:
+            return None
         x, rope, *rest = args
         if rope.device not in on_device:
             on_device[rope.device] = positions.to(rope.device)
-        return (x, rope[on_device[rope.device]], *rest)
+        return (x, rope[on_device[rope.device]], *rest), kwargs
 
     patched = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):
             # Dynamo cannot trace the send/recv inside; compiled blocks call it eagerly.
             module.attention_fn = torch.compiler.disable(attention)
-            module.register_forward_pre_hook(rope_rows_of_this_rank)
+            module.register_forward_pre_hook(rope_rows_of_this_rank, with_kwargs=True)
             patched += 1
     if patched == 0:
         raise ValueError(f"{type(model).__name__} has no attention module with an attention_fn attribute; "

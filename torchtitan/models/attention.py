@@ -53,3 +53,89 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
         return out.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+class DocumentMask:
+    """Which document each token of a batch belongs to, for block-causal attention: a token attends only to
+    earlier tokens of its own document.
+
+    ``ids`` is (batch, seq) and never decreases along a row (packing puts documents end to end), so each
+    document is one contiguous span of its row. Built once per forward and handed to every layer, it makes
+    each kernel's view of the mask once: the spans for the CPU path, flex attention's block mask on CUDA.
+    ``cache`` holds what another kernel derives once per forward (context parallelism's full-length ids).
+    """
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self.cache: dict[str, object] = {}
+        self._spans: list[list[tuple[int, int]]] | None = None
+        self.block_mask = _flex_block_mask(ids) if ids.device.type == "cuda" else None
+
+    def spans(self) -> list[list[tuple[int, int]]]:
+        """Each row's documents as [start, end) token ranges, in order."""
+        if self._spans is None:
+            self._spans = document_spans(self.ids)
+        return self._spans
+
+
+def document_spans(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """[start, end) of every run of equal ids in each row of a (batch, seq) tensor."""
+    rows, cuts = (ids[:, 1:] != ids[:, :-1]).nonzero(as_tuple=True)
+    seq = ids.size(1)
+    bounds: list[list[int]] = [[0] for _ in range(ids.size(0))]
+    for row, cut in zip(rows.tolist(), cuts.tolist()):
+        bounds[row].append(cut + 1)
+    return [list(zip(b, b[1:] + [seq])) for b in bounds]
+
+
+def _flex_block_mask(ids: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q, kv):
+        return (ids[b, q] == ids[b, kv]) & (q >= kv)
+
+    batch, seq = ids.shape
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=ids.device)
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    # flex_attention only fuses its mask into one kernel when compiled; inside an already compiled block the
+    # inner compile is traced through.
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@torch.compiler.disable
+def _attention_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            spans: list[list[tuple[int, int]]]) -> torch.Tensor:
+    # Causal attention run separately on each document: exact, no sequence x sequence mask, and with many
+    # short documents it skips the cross-document work a masked kernel would still do. The Python loop over
+    # spans cannot be traced, so a compiled block calls it eagerly.
+    if all(len(row) == 1 for row in spans):
+        return causal_attention(q, k, v)
+    rows = []
+    for b, row in enumerate(spans):
+        parts = [causal_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]) for s, e in row]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return torch.cat(rows)
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
+    """Causal attention that stays within each document: flex attention on CUDA, per-document spans elsewhere."""
+    if documents.block_mask is not None:
+        return _flex_attention(q, k, v, documents.block_mask)
+    return _attention_per_document(q, k, v, documents.spans())
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+    """The decoder's attention: causal, or block-causal when the batch's documents are given."""
+    if documents is None:
+        return causal_attention(q, k, v)
+    return block_causal_attention(q, k, v, documents)

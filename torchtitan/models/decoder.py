@@ -8,7 +8,7 @@ Only the math lives here; parallelism is applied from the outside (distributed/a
 import torch
 from torch import nn
 
-from torchtitan.models.attention import causal_attention
+from torchtitan.models.attention import DocumentMask, attend
 from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.models.feed_forward import FeedForward
 from torchtitan.models.moe import MoE
@@ -28,8 +28,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
-        # The attention kernel; context parallelism swaps in one that attends over a sharded sequence.
-        self.attention_fn = causal_attention
+        # The attention kernel, attention_fn(q, k, v, documents); context parallelism swaps in one that
+        # attends over a sharded sequence.
+        self.attention_fn = attend
         if qk_norm_eps is not None:
             # One RMSNorm weight of size head_dim shared by all heads: it keeps the attention logits
             # bounded without a per-head parameter (and lets TP ranks hold it whole).
@@ -38,7 +39,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: attend only within each document (block-causal); ``positions``: each token's RoPE
+        position (batch, seq), else 0, 1, 2, ..."""
         bsz, seqlen, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a subset of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -46,9 +50,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope, self.rope_convention), apply_rope(k, rope, self.rope_convention)
+        q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -69,8 +73,10 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = feed_forward
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # Keyword arguments: tensor-parallel input plans address the attention's positional inputs.
+        h = x + self.attention(self.attention_norm(x), rope, documents=documents, positions=positions)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -111,10 +117,15 @@ class Decoder(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` (batch, seq), or hidden states on a later pipeline stage. ``document_ids`` (batch, seq),
+        never decreasing along a row, makes attention block-causal; ``positions`` (batch, seq) are the RoPE
+        positions (e.g. restarting at each document), else 0, 1, 2, ..."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        documents = DocumentMask(document_ids) if document_ids is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, self.rope, documents=documents, positions=positions)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,169 @@
+"""Chat data: conversations packed whole, trained on the assistant's tokens, layout-independent and resumable."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import ConfigError, load_config
+from torchtitan.config.job_config import Chat
+from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.data import DataError, build_dataloader, build_tokenizer, document_positions
+from torchtitan.data.chat import PackedChatDataset, encode_conversation, load_pydocs_chat
+from torchtitan.data.chat_template import ChatTemplate
+from torchtitan.data.sources import register_dataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer("assets/tokenizer")
+
+
+def conversations(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    words = "list dict set the of a value key sort read write open file line number".split()
+    out = []
+    for i in range(n):
+        def text(k):
+            return " ".join(words[j] for j in torch.randint(0, len(words), (k,), generator=g).tolist())
+        turns = [{"role": "system", "content": text(3)}] if i % 3 == 0 else []
+        for _ in range(1 + i % 2):
+            turns += [{"role": "user", "content": text(int(torch.randint(1, 8, (1,), generator=g)))},
+                      {"role": "assistant", "content": text(int(torch.randint(0, 10, (1,), generator=g)))}]
+        out.append(turns)
+    return out
+
+
+def loader(tokenizer, name, **overrides):
+    kwargs = dict(dataset=name, dataset_path=None, seq_len=128, local_batch_size=2, dp_rank=0, dp_world_size=1,
+                  dataset_format="chat")
+    return build_dataloader(tokenizer, **{**kwargs, **overrides})
+
+
+def take(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_rows_hold_whole_conversations_with_loss_on_the_assistant_only(tokenizer):
+    data = conversations(40)
+    register_dataset("chat_rows", lambda split: data, "chat")
+    template = ChatTemplate(tokenizer.chat_template)
+    expected = [encode_conversation(tokenizer, template, m) for m in data]
+    placed = 0
+    for batch in take(loader(tokenizer, "chat_rows"), 6):
+        assert torch.equal(batch.positions, document_positions(batch.document_ids))
+        for row in range(2):
+            ids = batch.document_ids[row]
+            for doc in ids.unique().tolist():
+                span = (ids == doc).nonzero().flatten()
+                tokens, labels = batch.input_ids[row, span], batch.labels[row, span]
+                if tokens[0] != tokenizer.bos_id:  # the padding document: no loss
+                    assert (labels == IGNORE_INDEX).all() and doc == ids.max()
+                    continue
+                want_tokens, want_labels = expected[placed]
+                assert tokens.tolist() == want_tokens.tolist() and labels.tolist() == want_labels.tolist()
+                placed += 1
+    assert placed > 12
+    # Only assistant text (and its closing EOS) is trained: the decoded labels hold no user or system words.
+    inputs, labels = expected[0]
+    trained = tokenizer.decode([t for t in labels.tolist() if t != IGNORE_INDEX])
+    assistant = "".join(m["content"] + "<|end_of_text|>" for m in data[0] if m["role"] == "assistant")
+    assert trained == assistant
+
+
+def test_train_on_all_trains_every_next_token(tokenizer):
+    data = conversations(5)
+    register_dataset("chat_all", lambda split: data, "chat")
+    batch = next(iter(loader(tokenizer, "chat_all", chat=Chat(train_on="all"))))
+    real = batch.document_ids != batch.document_ids.max(dim=1, keepdim=True).values
+    assert (batch.labels[real][:-1] != IGNORE_INDEX).all()
+
+
+def test_every_layout_and_a_resume_see_the_same_rows(tokenizer):
+    data = conversations(30, seed=1)
+    register_dataset("chat_layouts", lambda split: data, "chat")
+    single = take(loader(tokenizer, "chat_layouts", local_batch_size=4), 6)
+    for rank in range(2):
+        ours = take(loader(tokenizer, "chat_layouts", dp_rank=rank, dp_world_size=2, num_workers=rank * 2), 6)
+        for mine, whole in zip(ours, single, strict=True):
+            for field, full in zip(mine, whole):
+                assert torch.equal(field, full.view(2, 2, -1)[:, rank])
+    interrupted = loader(tokenizer, "chat_layouts", local_batch_size=4)
+    it = iter(interrupted)
+    for _ in range(3):
+        next(it)
+    resumed = loader(tokenizer, "chat_layouts", local_batch_size=2, dp_rank=1, dp_world_size=2)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(interrupted.state_dict())))
+    for mine, whole in zip(take(resumed, 3), single[3:], strict=True):
+        assert torch.equal(mine.input_ids, whole.input_ids.view(2, 2, -1)[:, 1])
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_overlong_conversations_are_cut_or_dropped_and_counted(tokenizer, overlong):
+    long = [{"role": "user", "content": "read the file " * 60}, {"role": "assistant", "content": "ok"}]
+    data = [conversations(1)[0], long, conversations(2)[1]]
+    register_dataset("chat_long", lambda split: data, "chat")
+    chat_loader = loader(tokenizer, "chat_long", chat=Chat(overlong=overlong), local_batch_size=1)
+    batches = take(chat_loader, 3)
+    key = f"conversations_{'truncated' if overlong == 'truncate' else 'dropped'}"
+    assert chat_loader.counts[key] >= 1
+    assert chat_loader.state_dict()["counts"] == chat_loader.counts
+    cut = [b for b in batches if b.document_ids[0].max() == 0]  # one conversation filling the row
+    assert bool(cut) == (overlong == "truncate")
+
+
+def test_bad_rows_give_one_line_errors_naming_the_row(tokenizer, tmp_path):
+    good = conversations(3)
+    cases = {
+        "no_messages.jsonl": ([{"messages": good[0]}, {"text": "hi"}], "row 1 has no value in column 'messages'"),
+        "bad_role.jsonl": ([{"messages": good[0]}, {"messages": good[1]},
+                            {"messages": [{"role": "robot", "content": "x"}]}],
+                          "row 2: message 0 has unknown role 'robot'"),
+        "not_list.jsonl": ([{"messages": "hello"}], "row 0: column 'messages' holds str"),
+    }
+    for name, (rows, message) in cases.items():
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(DataError, match=message) as error:
+            take(loader(tokenizer, "x", dataset_path=str(path)), 3)
+        assert "\n" not in str(error.value)
+    failing = ChatTemplate("{% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}{{ 'x' }}")
+    dataset = PackedChatDataset([good[0][:2], good[1]], tokenizer, seq_len=16, template=failing)
+    with pytest.raises(DataError, match="row 1: the chat template cannot render it: .*too long"):
+        list(dataset)
+
+
+def test_pydocs_chat_asks_about_documented_definitions(tokenizer):
+    data = load_pydocs_chat("validation")
+    assert len(data) > 20
+    template = ChatTemplate(tokenizer.chat_template)
+    for messages in data[:20]:
+        assert messages[-1]["role"] == "assistant" and messages[-2]["content"].count("`") == 2
+        inputs, labels = encode_conversation(tokenizer, template, messages)
+        assert (labels != IGNORE_INDEX).any() and inputs[0] == tokenizer.bos_id
+
+
+def validate(*flags, config="train_configs/debug_model.toml", world_size=1):
+    cfg, sources = load_config(["--job.config_file", config, *flags])
+    import_custom_modules(cfg, sources)
+    validate_config(cfg, sources, world_size=world_size)
+    return cfg
+
+
+def test_config_matches_the_dataset_format_and_the_model():
+    from torchtitan.components.document_masking import DocumentMasking
+
+    cfg = validate("--training.dataset", "pydocs_chat", "--training.dataset_format", "chat")
+    assert DocumentMasking.from_config(cfg.model, cfg.training) == DocumentMasking(True, True)
+    cfg = validate()
+    assert DocumentMasking.from_config(cfg.model, cfg.training) == DocumentMasking(False, False)
+    with pytest.raises(ConfigError, match="training.dataset = 'pydocs_chat' holds chat data, not text"):
+        validate("--training.dataset", "pydocs_chat")
+    with pytest.raises(ConfigError, match="training.dataset = 'pydocs' holds text data, not chat"):
+        validate("--training.dataset_format", "chat")
+    with pytest.raises(ConfigError, match="model.attention_mask = 'block_causal' needs a model whose forward takes "
+                                          "document_ids="):
+        validate("--model.attention_mask", "block_causal", config="examples/nanogpt/nanogpt.toml")

@@ -1,0 +1,60 @@
+"""Which document boundaries the model sees: block-causal attention and per-document RoPE positions.
+
+Every batch carries each token's document id and position within its document (data/dataset.py); the
+config decides which of them reach the model. ``auto`` means: conversations (chat data) are kept apart,
+so a packed conversation never sees another and starts at position 0, and pretraining text keeps the
+plain causal mask over the packed row with positions 0..seq_len-1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan.config.job_config import Model, Training
+from torchtitan.data.dataset import Batch
+
+
+@dataclass(frozen=True)
+class DocumentMasking:
+    block_causal: bool
+    per_document_positions: bool
+
+    @classmethod
+    def from_config(cls, model: Model, training: Training) -> DocumentMasking:
+        chat = training.dataset_format == "chat"
+        mask = model.attention_mask if model.attention_mask != "auto" else ("block_causal" if chat else "causal")
+        positions = model.positions if model.positions != "auto" else ("per_document" if chat else "global")
+        return cls(block_causal=mask == "block_causal", per_document_positions=positions == "per_document")
+
+    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward beyond the tokens."""
+        inputs = {}
+        if self.block_causal:
+            inputs["document_ids"] = batch.document_ids
+        if self.per_document_positions:
+            inputs["positions"] = batch.positions
+        return inputs
+
+    def describe(self) -> str:
+        mask = "block-causal (within documents)" if self.block_causal else "causal"
+        positions = "per document" if self.per_document_positions else "global"
+        return f"attention {mask}, RoPE positions {positions}"
+
+
+def config_problems(model: Model, training: Training, model_cls: type) -> list[tuple[str, str]]:
+    """(full key, reason) when the model's forward cannot take what the config asks it to."""
+    masking = DocumentMasking.from_config(model, training)
+    accepted = inspect.signature(model_cls.forward).parameters
+    problems = []
+    for wanted, argument, key, value, fallback in (
+        (masking.block_causal, "document_ids", "model.attention_mask", "block_causal", "causal"),
+        (masking.per_document_positions, "positions", "model.positions", "per_document", "global"),
+    ):
+        if wanted and argument not in accepted:
+            auto = f"(for chat data: {value}) " if getattr(model, key.split(".")[1]) == "auto" else ""
+            problems.append((key, f"{auto}needs a model whose forward takes {argument}=, which "
+                                  f"{model_cls.__name__} (model.name = {model.name!r}) does not; valid: {fallback!r}"))
+    return problems

@@ -1,0 +1,197 @@
+"""Chat data for supervised fine-tuning: conversations rendered with the tokenizer's chat template, packed
+whole into rows, with loss on the assistant's tokens only.
+
+A conversation (a list of {"role", "content"} messages, the format of most public SFT sets) becomes the
+ids of its rendered text (data/chat_template.py) and labels that are IGNORE_INDEX except where the next
+token is the assistant's (or everywhere, with train_on = "all"). Conversations are never split across
+rows: they go into a row one after another until the next one does not fit, and the rest of the row is
+padding (ignored labels, a document of its own). A conversation longer than seq_len is cut to seq_len
+tokens or left out, as ``overlong`` says, and counted. Each conversation is one document of the row, so
+block-causal attention keeps it apart from its neighbours.
+
+Layout independence and resuming work as for text (data/dataset.py): the rows form one global stream,
+a rank's micro-batch takes rows r, r + dp, ... of the next local_batch x dp rows (a round), every round
+starts with a fresh row, and the position after a round is the first conversation it did not place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
+from torchtitan.data.dataset import Batch, StreamPosition, document_positions
+from torchtitan.data.errors import DataError
+from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.log import logger
+
+ROLES = ("system", "user", "assistant", "tool")
+OVERLONG = ("truncate", "drop")
+
+
+def check_messages(messages: object, where: str) -> None:
+    """Raise DataError (one line, naming ``where``) unless ``messages`` is a conversation we can render."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.60}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"{where}: message {i} must be a dict with 'role' and 'content', got {message!r:.60}")
+        if message["role"] not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {message['role']!r}; valid: {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"{where}: message {i} content is {type(message['content']).__name__}, not text")
+
+
+def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict],
+                        train_on: str = "assistant") -> tuple[np.ndarray, np.ndarray]:
+    """(input ids, labels) of one conversation: ids[:-1] and the next tokens, ignored outside the trained ones."""
+    ids, mask = assistant_token_mask(tokenizer, template, messages)
+    ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    labels = ids[1:].copy()
+    if train_on == "assistant":
+        labels[~mask[1:]] = IGNORE_INDEX
+    return ids[:-1], labels
+
+
+class PackedChatDataset(IterableDataset):
+    """One data-parallel rank's micro-batches of packed conversations (see the module doc).
+
+    Yields ``(batch, state)``: a `Batch` [local_batch_size, seq_len] and ``{"position": the StreamPosition
+    after the round, "counts": {"conversations_truncated": n, "conversations_dropped": n} of the round}``,
+    identical on every rank.
+    """
+
+    def __init__(self, conversations: Iterable, tokenizer: Tokenizer, seq_len: int, local_batch_size: int = 1,
+                 dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True, label: str = "conversations",
+                 train_on: str = "assistant", overlong: str = "truncate", template: ChatTemplate | None = None):
+        if iter(conversations) is conversations:
+            raise TypeError("conversations must be re-iterable (e.g. a list), not a one-shot iterator")
+        if overlong not in OVERLONG or train_on not in ("assistant", "all"):
+            raise ValueError(f"overlong {overlong!r} / train_on {train_on!r}: valid are {OVERLONG} / assistant, all")
+        if template is None:
+            if tokenizer.chat_template is None:
+                raise DataError("chat data needs a chat template, and the tokenizer has none (no chat_template in "
+                                "its tokenizer_config.json); use a tokenizer folder that has one")
+            try:
+                template = ChatTemplate(tokenizer.chat_template)
+            except ChatTemplateError as e:
+                raise DataError(f"the tokenizer's chat template is invalid: {e}") from None
+        self.conversations, self.tokenizer, self.template = conversations, tokenizer, template
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.infinite, self.label, self.train_on, self.overlong = infinite, label, train_on, overlong
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+        self.start = StreamPosition()
+
+    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        epoch, first = start.epoch, start.document
+        while True:
+            produced = False
+            for index, messages in itertools.islice(enumerate(self.conversations), first, None):
+                where = f"dataset {self.label}: row {index}"
+                check_messages(messages, where)
+                try:
+                    inputs, labels = encode_conversation(self.tokenizer, self.template, messages, self.train_on)
+                except ChatTemplateError as e:
+                    raise DataError(f"{where}: the chat template cannot render it: {e}") from None
+                produced = True
+                yield epoch, index, inputs, labels
+            if not self.infinite:
+                return
+            if first == 0 and not produced:
+                raise DataError(f"dataset {self.label} has no conversations; cannot cycle through it")
+            epoch, first = epoch + 1, 0
+
+    def _rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, StreamPosition, dict]]:
+        """(tokens, labels, document ids) of each round's rows, the position after it and its counts."""
+        source = self._encoded(self.start)
+        pending, after = None, self.start
+        rows_per_round = self.local_batch_size * self.dp_world_size
+        while True:
+            counts = {"conversations_truncated": 0, "conversations_dropped": 0}
+            tokens = np.full((rows_per_round, self.seq_len), self.pad_id, dtype=np.int64)
+            labels = np.full((rows_per_round, self.seq_len), IGNORE_INDEX, dtype=np.int64)
+            ids = np.zeros((rows_per_round, self.seq_len), dtype=np.int64)
+            for row in range(rows_per_round):
+                used, document = 0, 0
+                while True:
+                    if pending is None:
+                        pending = next(source, None)
+                        if pending is None:
+                            break
+                    epoch, index, inputs, targets = pending
+                    if len(inputs) > self.seq_len and self.overlong == "drop":
+                        counts["conversations_dropped"] += 1
+                        pending, after = None, StreamPosition(epoch, index + 1)
+                        continue
+                    length = min(len(inputs), self.seq_len)
+                    if used + length > self.seq_len:
+                        break
+                    counts["conversations_truncated"] += len(inputs) > self.seq_len
+                    tokens[row, used:used + length] = inputs[:length]
+                    labels[row, used:used + length] = targets[:length]
+                    ids[row, used:used + length] = document
+                    used, document = used + length, document + 1
+                    pending, after = None, StreamPosition(epoch, index + 1)
+                if used == 0:
+                    return  # the data ended (only without infinite): the partial round is dropped
+                ids[row, used:] = document  # the padding is a document of its own
+            position = StreamPosition(pending[0], pending[1]) if pending is not None else after
+            yield tokens, labels, ids, position, counts
+
+    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
+        worker = get_worker_info()
+        worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        mine = slice(self.dp_rank, None, self.dp_world_size)
+        for step, (tokens, labels, ids, position, counts) in enumerate(self._rounds()):
+            if step % num_workers == worker_id:
+                ids_t = torch.from_numpy(ids[mine])
+                batch = Batch(torch.from_numpy(tokens[mine]), torch.from_numpy(labels[mine]), ids_t,
+                              document_positions(ids_t))
+                yield batch, {"position": position.state_dict(), "counts": counts}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pydocs_chat: questions and answers made from the Python standard library's docstrings
+# ----------------------------------------------------------------------------------------------------------
+
+_QUESTIONS = ("What does `{name}` do?", "Explain `{name}`.", "What is `{name}` for?",
+              "I found `{name}` in the standard library. What does it do?")
+_SYSTEM = "You are a concise assistant who answers questions about the Python standard library."
+
+
+def _qa_pairs(document: str) -> list[tuple[str, str]]:
+    """(definition, first docstring paragraph) of each documented def or class of a pydocs module document."""
+    pairs = []
+    for section in document.split("\n\n"):
+        header, _, answer = section.partition("\n")
+        if header.startswith(("def ", "class ")) and answer.strip() and not answer.startswith(" "):
+            name = header.split(" ", 1)[1]
+            pairs.append((name if len(name) <= 80 else name.split("(", 1)[0] + "(...)", answer.strip()))
+    return pairs
+
+
+def load_pydocs_chat(split: str = "train") -> list[list[dict]]:
+    """Conversations asking about documented functions and classes of the pydocs corpus (same splits): one or
+    two questions each, some with a system prompt; deterministic, built at run time with no download."""
+    conversations = []
+    for document in load_pydocs_documents(split):
+        pairs = _qa_pairs(document)
+        for i in range(0, len(pairs), 2):
+            turn = pairs[i:i + 2]
+            key = int(hashlib.sha256(turn[0][0].encode()).hexdigest()[:8], 16)
+            messages = [{"role": "system", "content": _SYSTEM}] if key % 3 == 0 else []
+            for j, (name, answer) in enumerate(turn if key % 2 == 0 else turn[:1]):
+                messages.append({"role": "user", "content": _QUESTIONS[(key + j) % len(_QUESTIONS)].format(name=name)})
+                messages.append({"role": "assistant", "content": answer})
+            conversations.append(messages)
+    if not conversations:
+        logger.warning(f"pydocs_chat {split}: this Python's standard library gave no documented definitions")
+    return conversations
