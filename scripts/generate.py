@@ -3,9 +3,14 @@
     python scripts/generate.py --config train_configs/debug_model.toml \
         --checkpoint outputs/checkpoint/step-10 --prompt "def main():" --max_new_tokens 40
 
-Prints the prompt followed by the generated text on stdout. --temperature 0 is greedy decoding (the
-same text every run); otherwise tokens are sampled after top-k and top-p filtering, reproducibly
-for a given --seed on a given device.
+    python scripts/generate.py --config train_configs/sft_debug.toml \
+        --checkpoint outputs/sft/checkpoint/step-100 --chat --prompt "What does \`json.dumps(obj)\` do?"
+
+Prints the prompt followed by the generated text on stdout; with --chat the prompt is a user message,
+rendered with the tokenizer's chat template (as in fine-tuning, data/chat_template.py) up to where the
+assistant answers, and only the answer is printed. --temperature 0 is greedy decoding (the same text
+every run); otherwise tokens are sampled after top-k and top-p filtering, reproducibly for a given
+--seed on a given device.
 """
 
 import argparse
@@ -14,6 +19,7 @@ from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
+from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
 from torchtitan.device_arg import default_device, parse_device
 from torchtitan.generation import SamplingConfig, generate
 from torchtitan.inference import load_model
@@ -34,7 +40,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=default_device(),
                         help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--no_stop_at_eos", action="store_true", help="keep generating past the end-of-text token")
+    parser.add_argument("--chat", action="store_true",
+                        help="treat --prompt as a user message and answer it through the tokenizer's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     return parser.parse_args(argv)
+
+
+def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
+    """Token ids of a conversation of one user message (after an optional system one), rendered with the
+    tokenizer's chat template and its generation prompt: where the assistant's answer begins."""
+    if tokenizer.chat_template is None:
+        raise ValueError("--chat needs a tokenizer with a chat_template (in its tokenizer_config.json)")
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": question})
+    ids, _ = assistant_token_mask(tokenizer, ChatTemplate(tokenizer.chat_template), messages,
+                                  add_generation_prompt=True)
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompt_ids = tokenizer.encode(args.prompt, bos=True)
-    new_ids = generate(model, prompt_ids, sampling, max_context=model.args.max_seq_len,
-                       stop_id=None if args.no_stop_at_eos else tokenizer.eos_id, device=device)
-    print(args.prompt + tokenizer.decode(new_ids))
+    if args.chat:
+        try:
+            prompt_ids = chat_prompt(tokenizer, args.prompt, args.system)
+        except (ChatTemplateError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        prompt_ids = tokenizer.encode(args.prompt, bos=True)
+    stop_id = None if args.no_stop_at_eos else tokenizer.eos_id
+    new_ids = generate(model, prompt_ids, sampling, max_context=model.args.max_seq_len, stop_id=stop_id,
+                       device=device)
+    if args.chat:
+        print(tokenizer.decode(new_ids[:-1] if new_ids and new_ids[-1] == stop_id else new_ids))
+    else:
+        print(args.prompt + tokenizer.decode(new_ids))
     print(f"[{len(new_ids)} new tokens]", file=sys.stderr)
     return 0
 

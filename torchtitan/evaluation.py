@@ -61,5 +61,6 @@ def evaluate(
     validation = dataclasses.replace(cfg.validation, enable=True)
     validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=spec.build_loss_fn(),
                           device=device, autocast=compute_autocast(cfg.training, device),
-                          model_inputs=DocumentMasking.from_config(cfg.model, cfg.training).model_inputs)
+                          model_inputs=DocumentMasking.from_config(cfg.model, cfg.training).model_inputs,
+                          chat=cfg.training.chat)
     return validator.validate([model], step=0)

@@ -148,7 +148,7 @@ class Trainer:
             self.validator = Validator(
                 cfg.validation, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_degree, loss_fn=self.loss_fn,
                 device=self.device, dp_mesh=self.loss_mesh, autocast=self.autocast,
-                batch_loss=self._validation_batch_loss,
+                batch_loss=self._validation_batch_loss, chat=training.chat,
             )
 
         self.metrics = MetricsLogger(
@@ -173,6 +173,9 @@ class Trainer:
             self.checkpointer.create_seed_checkpoint()  # step-0 from the initial weights; main() then exits
         else:
             self.checkpointer.load()
+        if training.dataset_format == "chat" and self.step == 0 and not cfg.checkpoint.initial_load_path:
+            logger.warning("fine-tuning on chat data from freshly initialised weights: no checkpoint was resumed and "
+                           "checkpoint.initial_load_path is unset (give the pretrained checkpoint to start from)")
         self.preemption = PreemptionWatcher(self.device)
         logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
                     f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
@@ -320,6 +323,8 @@ class Trainer:
         check_finite(step, loss_value, norm_value)
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
+            # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
+            extra.update({f"data/{name}": n for name, n in getattr(self.dataloader, "counts", {}).items()})
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))

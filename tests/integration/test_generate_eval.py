@@ -76,3 +76,42 @@ def test_evaluate_takes_validation_overrides(run):
     assert json.loads(result.stdout)["val_tokens"] == 2 * 4 * 64
     missing = run_module("scripts.evaluate", "--config", str(run / "config.toml"), "--checkpoint", "/nonexistent")
     assert missing.returncode == 2 and "is not a folder" in missing.stderr
+
+
+SFT_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def sft(run, tmp_path_factory):
+    """sft_debug.toml at the tiny flavor, fine-tuning the pretraining run's last checkpoint."""
+    dump = tmp_path_factory.mktemp("sft")
+    result = run_module(
+        "torchtitan.train", "--job.config_file", "train_configs/sft_debug.toml", "--model.flavor", "tiny",
+        "--checkpoint.initial_load_path", str(run / "checkpoint" / f"step-{STEPS}"), "--training.seq_len", "128",
+        "--validation.seq_len", "128", "--training.steps", str(SFT_STEPS), "--validation.freq", str(SFT_STEPS),
+        "--validation.steps", "4", "--checkpoint.interval", str(SFT_STEPS), "--metrics.log_freq", "1",
+        "--optimizer.lr", "1e-3", f"--job.dump_folder={dump}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"initialised the model from {run}" in result.stderr and "from freshly" not in result.stderr
+    assert "attention block-causal (within documents), RoPE positions per document" in result.stderr
+    return dump
+
+
+@pytest.mark.slow
+def test_fine_tuning_from_a_checkpoint_lowers_the_assistant_loss(sft):
+    rows = [json.loads(line) for line in (sft / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == SFT_STEPS
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert all(r["data/conversations_truncated"] >= 0 for r in rows if "loss" in r)
+    assert any("val_loss" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_generate_chat_answers_through_the_template(sft):
+    result = run_module("scripts.generate", "--config", str(sft / "config.toml"), "--checkpoint",
+                        str(sft / "checkpoint" / f"step-{SFT_STEPS}"), "--chat", "--prompt",
+                        "What does `json.dumps(obj)` do?", "--temperature", "0", "--max_new_tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "<|user|>" not in result.stdout and "json.dumps" not in result.stdout[:5]

@@ -1,14 +1,13 @@
-"""Block-causal attention and per-document positions: the batch fields, the kernels, the model, the config."""
+"""Block-causal attention and per-document positions: the batch fields, the kernels and the model."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.test_model import _tiny
 from torchtitan.data import document_positions
 from torchtitan.distributed.context_parallel import METHODS, context_parallel_attention
 from torchtitan.models.attention import DocumentMask, attend, document_spans
-from torchtitan.models.decoder import Decoder
-from torchtitan.models.llama3 import llama3_flavors
 
 
 def random_document_ids(generator, batch, seq, max_documents):
@@ -85,19 +84,10 @@ def test_flex_block_mask_used_on_cuda_masks_like_the_reference():
     assert (got.double() - masked_reference(q.double(), k.double(), v.double(), ids)).abs().max() < 1e-5
 
 
-def tiny_model(seed=0):
-    args = llama3_flavors["tiny"].finalize(257, 64)
-    with torch.device("meta"):
-        model = Decoder(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model
-
-
 def test_a_packed_document_is_independent_of_the_one_before_it():
     """Logits of document B do not change when every token of document A does, equal B's logits run alone,
     and a loss on B's tokens gives A's input embeddings no gradient."""
-    model = tiny_model()
+    model = _tiny(max_seq_len=64)
     g = torch.Generator().manual_seed(11)
     a_len, b_len = 23, 17
     a, b = torch.randint(1, 257, (a_len,), generator=g), torch.randint(1, 257, (b_len,), generator=g)

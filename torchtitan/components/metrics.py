@@ -132,6 +132,9 @@ class MetricsLogger:
             fields.append(("moe_load", f"{row['moe/max_over_mean']:.2f}", "\033[33m"))
         if "moe/aux_loss" in row:
             fields.append(("moe_aux", f"{row['moe/aux_loss']:.4g}", "\033[33m"))
+        overlong = [(row.get(f"data/conversations_{kind}", 0), kind) for kind in ("truncated", "dropped")]
+        if any(count for count, _ in overlong):
+            fields.append(("overlong", ", ".join(f"{count} {kind}" for count, kind in overlong), "\033[33m"))
         reset = "\033[0m"
         return "  ".join(f"{c}{k}: {v}{reset}" if self.color else f"{k}: {v}" for k, v, c in fields)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.loss import LossFn, count_valid_tokens
-from torchtitan.config.job_config import Validation
+from torchtitan.config.job_config import Chat, Validation
 from torchtitan.data import Batch, DataError, Tokenizer, build_dataloader
 from torchtitan.distributed.collectives import sum_over
 
@@ -56,10 +56,12 @@ class Validator:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         batch_loss: BatchLoss | None = None,
         model_inputs: Callable[[Batch], dict] = lambda batch: {},
+        chat: Chat | None = None,
     ):
         """``dp_mesh`` is what the sums are reduced over (data x context parallel ranks). ``batch_loss``
         replaces the plain forward of one model part, for layouts that split the model or the sequence;
-        ``model_inputs`` gives the plain forward's keyword arguments (document ids, positions)."""
+        ``model_inputs`` gives the plain forward's keyword arguments (document ids, positions); ``chat`` how
+        chat data is read and packed (training.chat)."""
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.device = device
@@ -79,6 +81,8 @@ class Validator:
             text_column=cfg.dataset_text_column,
             split="validation",
             infinite=False,
+            dataset_format=cfg.dataset_format,
+            chat=chat,
         )
 
     def should_validate(self, step: int) -> bool:

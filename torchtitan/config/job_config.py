@@ -264,6 +264,9 @@ class Comm:
 class Validation:
     enable: bool = option(False, "Run validation during training")
     dataset: str = option("pydocs", "Registered dataset used for validation (its validation split)")
+    dataset_format: Literal["text", "chat"] = option(
+        "text", "text or chat (conversations read and packed as training.chat says; loss on trained tokens only)"
+    )
     dataset_path: str | None = option(
         None, "Local validation file or folder (all of it is held out); used instead of validation.dataset when set"
     )
