@@ -21,6 +21,7 @@ import torch
 
 from torchtitan.components.peak_flops import cpu_model, usable_cores
 from torchtitan.data import document_positions
+from torchtitan.distributed.precision import DTYPES
 from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
 
@@ -41,7 +42,7 @@ def main() -> None:
         model = Decoder(model_args)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    model.to(getattr(torch, args.dtype))
+    model.to(DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, 2048, (args.batch, args.seq), generator=gen)
 

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     try:
         sampling.check()
+        if args.system is not None and not args.chat:
+            raise ValueError("--system is a chat message; add --chat (or leave --system out)")
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ValueError(f"--checkpoint {args.checkpoint} is not a folder; give a DCP step folder or HF folder")
         device = parse_device(args.device)

@@ -121,7 +121,8 @@ def test_bad_rows_give_one_line_errors_naming_the_row(tokenizer, tmp_path):
         "no_messages.jsonl": ([{"messages": good[0]}, {"text": "hi"}], "row 1 has no value in column 'messages'"),
         "bad_role.jsonl": ([{"messages": good[0]}, {"messages": good[1]},
                             {"messages": [{"role": "robot", "content": "x"}]}],
-                          "row 2: message 0 has unknown role 'robot'"),
+                          "row 2: the chat template cannot render it: .*unknown chat role 'robot'"),
+        "not_dict.jsonl": ([{"messages": ["hello"]}], "row 0: message 0 must be a dict with 'role' and 'content'"),
         "not_list.jsonl": ([{"messages": "hello"}], "row 0: column 'messages' holds str"),
     }
     for name, (rows, message) in cases.items():
@@ -134,6 +135,21 @@ def test_bad_rows_give_one_line_errors_naming_the_row(tokenizer, tmp_path):
     dataset = PackedChatDataset([good[0][:2], good[1]], tokenizer, seq_len=16, template=failing)
     with pytest.raises(DataError, match="row 1: the chat template cannot render it: .*too long"):
         list(dataset)
+
+
+def test_data_where_no_conversation_fits_is_an_error_not_a_hang(tokenizer):
+    data = conversations(3)
+    for infinite in (True, False):
+        dataset = PackedChatDataset(data, tokenizer, seq_len=4, overlong="drop", infinite=infinite)
+        with pytest.raises(DataError, match="no conversation fits a row of seq_len 4 tokens with "
+                                            "training.chat.overlong = 'drop'"):
+            next(iter(dataset))
+
+
+def test_null_content_renders_as_an_absent_message_content(tokenizer):
+    data = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]]
+    batch, _ = next(iter(PackedChatDataset(data, tokenizer, seq_len=32)))
+    assert "<|assistant|>" in tokenizer.decode(batch.input_ids[0].tolist())
 
 
 def test_pydocs_chat_asks_about_documented_definitions(tokenizer):
@@ -164,6 +180,11 @@ def test_config_matches_the_dataset_format_and_the_model():
         validate("--training.dataset", "pydocs_chat")
     with pytest.raises(ConfigError, match="training.dataset = 'pydocs' holds text data, not chat"):
         validate("--training.dataset_format", "chat")
+    with pytest.raises(ConfigError, match="model.attention_mask = 'auto' is ambiguous: training data is text and "
+                                          "validation data chat"):
+        validate("--validation.enable", "--validation.dataset", "pydocs_chat", "--validation.dataset_format", "chat")
+    validate("--validation.enable", "--validation.dataset", "pydocs_chat", "--validation.dataset_format", "chat",
+             "--model.attention_mask", "causal", "--model.positions", "global")
     with pytest.raises(ConfigError, match="model.attention_mask = 'block_causal' needs a model whose forward takes "
                                           "document_ids="):
         validate("--model.attention_mask", "block_causal", config="examples/nanogpt/nanogpt.toml")

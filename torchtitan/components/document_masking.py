@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.config.job_config import Model, Training
+from torchtitan.config.job_config import Model, Training, Validation
 from torchtitan.data.dataset import Batch
 
 
@@ -44,9 +44,16 @@ class DocumentMasking:
         return f"attention {mask}, RoPE positions {positions}"
 
 
-def config_problems(model: Model, training: Training, model_cls: type) -> list[tuple[str, str]]:
-    """(full key, reason) when the model's forward cannot take what the config asks it to."""
+def config_problems(model: Model, training: Training, model_cls: type,
+                    validation: Validation | None = None) -> list[tuple[str, str]]:
+    """(full key, reason) when the model's forward cannot take what the config asks it to, or when "auto"
+    would mean one thing for the training data and another for the validation data."""
     masking = DocumentMasking.from_config(model, training)
+    if validation is not None and validation.enable and validation.dataset_format != training.dataset_format:
+        for key in ("attention_mask", "positions"):
+            if getattr(model, key) == "auto":
+                return [(f"model.{key}", f"is ambiguous: training data is {training.dataset_format} and "
+                                         f"validation data {validation.dataset_format}; set it explicitly")]
     accepted = inspect.signature(model_cls.forward).parameters
     problems = []
     for wanted, argument, key, value, fallback in (

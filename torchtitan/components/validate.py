@@ -118,7 +118,8 @@ class Validator:
         if tokens == 0:
             raise DataError(
                 f"validation data ({self.cfg.dataset_path or self.cfg.dataset!r}) holds fewer tokens than one "
-                f"validation batch at step {step}; lower validation.local_batch_size or validation.seq_len"
+                f"validation batch at step {step} (or, chat data, no trained tokens in it); lower "
+                f"validation.local_batch_size or validation.seq_len"
             )
         loss = loss_sum / tokens
         perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float beyond ~709

@@ -137,7 +137,7 @@ def _check_model(c: _Checker) -> None:
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
     if spec is not None:
-        c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls))
+        c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls, c.cfg.validation))
     adapter = spec.state_dict_adapter
     # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
     defaults = {f"moe.{f.name}": f.default for f in dataclasses.fields(c.cfg.moe)}

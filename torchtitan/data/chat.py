@@ -32,20 +32,24 @@ from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.data.tokenizer import Tokenizer
 from torchtitan.log import logger
 
-ROLES = ("system", "user", "assistant", "tool")
 OVERLONG = ("truncate", "drop")
+TRAIN_ON = ("assistant", "all")
 
 
 def check_messages(messages: object, where: str) -> None:
-    """Raise DataError (one line, naming ``where``) unless ``messages`` is a conversation we can render."""
+    """Raise DataError (one line, naming ``where``) unless ``messages`` is a list of {role, content} messages.
+
+    Which roles exist is the template's business (as in transformers): ours knows system, user and assistant
+    and raises for others; content may be None (e.g. a tool-call turn), which the template sees as absent.
+    """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.60}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise DataError(f"{where}: message {i} must be a dict with 'role' and 'content', got {message!r:.60}")
-        if message["role"] not in ROLES:
-            raise DataError(f"{where}: message {i} has unknown role {message['role']!r}; valid: {', '.join(ROLES)}")
-        if not isinstance(message["content"], str):
+        if not isinstance(message["role"], str) or not message["role"]:
+            raise DataError(f"{where}: message {i} has role {message['role']!r}; a role is a non-empty string")
+        if message["content"] is not None and not isinstance(message["content"], str):
             raise DataError(f"{where}: message {i} content is {type(message['content']).__name__}, not text")
 
 
@@ -73,8 +77,16 @@ class PackedChatDataset(IterableDataset):
                  train_on: str = "assistant", overlong: str = "truncate", template: ChatTemplate | None = None):
         if iter(conversations) is conversations:
             raise TypeError("conversations must be re-iterable (e.g. a list), not a one-shot iterator")
-        if overlong not in OVERLONG or train_on not in ("assistant", "all"):
-            raise ValueError(f"overlong {overlong!r} / train_on {train_on!r}: valid are {OVERLONG} / assistant, all")
+        for name, value, valid in (("training.chat.overlong", overlong, OVERLONG),
+                                   ("training.chat.train_on", train_on, TRAIN_ON)):
+            if value not in valid:
+                raise ValueError(f"{name} = {value!r} is invalid; valid: {', '.join(valid)}")
+        for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_world_size}) for dp_world_size={dp_world_size}, "
+                             f"got {dp_rank}")
         if template is None:
             if tokenizer.chat_template is None:
                 raise DataError("chat data needs a chat template, and the tokenizer has none (no chat_template in "
@@ -90,7 +102,9 @@ class PackedChatDataset(IterableDataset):
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.start = StreamPosition()
 
-    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray] | bool]:
+        """Each conversation as (epoch, index, inputs, labels); after each pass over the data, whether that
+        pass was whole (began at the first conversation)."""
         epoch, first = start.epoch, start.document
         while True:
             produced = False
@@ -103,6 +117,7 @@ class PackedChatDataset(IterableDataset):
                     raise DataError(f"{where}: the chat template cannot render it: {e}") from None
                 produced = True
                 yield epoch, index, inputs, labels
+            yield first == 0
             if not self.infinite:
                 return
             if first == 0 and not produced:
@@ -113,6 +128,7 @@ class PackedChatDataset(IterableDataset):
         """(tokens, labels, document ids) of each round's rows, the position after it and its counts."""
         source = self._encoded(self.start)
         pending, after = None, self.start
+        placed_in_pass = 0  # a whole pass that places nothing would cycle forever
         rows_per_round = self.local_batch_size * self.dp_world_size
         while True:
             counts = {"conversations_truncated": 0, "conversations_dropped": 0}
@@ -126,9 +142,17 @@ class PackedChatDataset(IterableDataset):
                         pending = next(source, None)
                         if pending is None:
                             break
+                        if isinstance(pending, bool):  # the end of a pass
+                            if pending and not placed_in_pass:
+                                raise DataError(
+                                    f"dataset {self.label}: no conversation fits a row of seq_len {self.seq_len} "
+                                    f"tokens with training.chat.overlong = {self.overlong!r}; raise seq_len or use "
+                                    "overlong = 'truncate'")
+                            pending, placed_in_pass = None, 0
+                            continue
                     epoch, index, inputs, targets = pending
-                    if len(inputs) > self.seq_len and self.overlong == "drop":
-                        counts["conversations_dropped"] += 1
+                    if len(inputs) == 0 or (len(inputs) > self.seq_len and self.overlong == "drop"):
+                        counts["conversations_dropped"] += len(inputs) > 0  # an empty rendering trains nothing
                         pending, after = None, StreamPosition(epoch, index + 1)
                         continue
                     length = min(len(inputs), self.seq_len)
@@ -140,6 +164,7 @@ class PackedChatDataset(IterableDataset):
                     ids[row, used:used + length] = document
                     used, document = used + length, document + 1
                     pending, after = None, StreamPosition(epoch, index + 1)
+                    placed_in_pass += 1
                 if used == 0:
                     return  # the data ended (only without infinite): the partial round is dropped
                 ids[row, used:] = document  # the padding is a document of its own

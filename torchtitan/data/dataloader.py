@@ -85,7 +85,8 @@ class TokenDataLoader(StatefulDataLoader):
         if "stream_position" not in state_dict:
             raise ValueError(f"dataloader state has keys {sorted(state_dict)}; expected 'stream_position'")
         self.dataset.start = self._position = StreamPosition.from_state_dict(state_dict["stream_position"])
-        self.counts = self._start_counts = dict(state_dict.get("counts", {}))
+        self._start_counts = dict(state_dict.get("counts", {}))
+        self.counts = dict(self._start_counts)
         # Persistent workers keep their copy of the dataset; start new ones that see the new position.
         self._iterator = None
 

@@ -244,6 +244,6 @@ def load_documents(dataset: str, dataset_path: str | None, split: str, text_colu
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; registered datasets: {', '.join(registered_datasets())}")
     if DATASET_FORMATS.get(dataset, "text") != format:
-        raise DataError(f"dataset {dataset!r} holds {DATASET_FORMATS[dataset]} data, not {format}; set "
-                        f"training.dataset_format = {DATASET_FORMATS[dataset]!r}")
+        raise DataError(f"dataset {dataset!r} holds {DATASET_FORMATS[dataset]} data, not {format}; set the "
+                        f"section's dataset_format = {DATASET_FORMATS[dataset]!r}")
     return DATASETS.get(dataset)(split)

@@ -571,6 +571,8 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len:
             on_device[rope.device] = positions.to(rope.device)
         return (x, rope[on_device[rope.device]], *rest), kwargs
 
+    if hasattr(model, "flex_block_mask"):
+        model.flex_block_mask = False  # see Decoder.flex_block_mask
     patched = 0
     for module in model.modules():
         if hasattr(module, "attention_fn"):

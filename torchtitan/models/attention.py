@@ -61,15 +61,16 @@ class DocumentMask:
 
     ``ids`` is (batch, seq) and never decreases along a row (packing puts documents end to end), so each
     document is one contiguous span of its row. Built once per forward and handed to every layer, it makes
-    each kernel's view of the mask once: the spans for the CPU path, flex attention's block mask on CUDA.
-    ``cache`` holds what another kernel derives once per forward (context parallelism's full-length ids).
+    each kernel's view of the mask once: the spans for the CPU path, flex attention's block mask on CUDA
+    (built here, outside any compiled block, when ``flex`` is set). ``cache`` holds what another kernel
+    derives once per forward (context parallelism's full-length ids).
     """
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, flex: bool = True):
         self.ids = ids
         self.cache: dict[str, object] = {}
         self._spans: list[list[tuple[int, int]]] | None = None
-        self.block_mask = _flex_block_mask(ids) if ids.device.type == "cuda" else None
+        self.block_mask = _flex_block_mask(ids) if flex and ids.device.type == "cuda" else None
 
     def spans(self) -> list[list[tuple[int, int]]]:
         """Each row's documents as [start, end) token ranges, in order."""
@@ -88,17 +89,23 @@ def document_spans(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return [list(zip(b, b[1:] + [seq])) for b in bounds]
 
 
+_compiled_flex_attention = None
+_compiled_create_block_mask = None
+
+
 def _flex_block_mask(ids: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
+    # Compiled, the mask is evaluated block by block instead of materialising batch x seq x seq booleans.
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _compiled_create_block_mask = torch.compile(create_block_mask)
 
     def same_document_causal(b, h, q, kv):
         return (ids[b, q] == ids[b, kv]) & (q >= kv)
 
     batch, seq = ids.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=ids.device)
-
-
-_compiled_flex_attention = None
+    return _compiled_create_block_mask(same_document_causal, batch, None, seq, seq, device=ids.device)
 
 
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:

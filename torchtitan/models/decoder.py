@@ -84,6 +84,10 @@ class TransformerBlock(nn.Module):
 class Decoder(nn.Module):
     """Embedding, blocks, norm and output; tok_embeddings, norm and output may be None on pipeline stages."""
 
+    # Build flex attention's block mask for block-causal batches on CUDA; context parallelism turns it off
+    # (its attention splits its blocks by document itself).
+    flex_block_mask = True
+
     def __init__(self, args: DecoderArgs):
         super().__init__()
         if args.vocab_size is None:
@@ -123,7 +127,7 @@ class Decoder(nn.Module):
         never decreasing along a row, makes attention block-causal; ``positions`` (batch, seq) are the RoPE
         positions (e.g. restarting at each document), else 0, 1, 2, ..."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        documents = DocumentMask(document_ids) if document_ids is not None else None
+        documents = DocumentMask(document_ids, self.flex_block_mask) if document_ids is not None else None
         for layer in self.layers.values():
             h = layer(h, self.rope, documents=documents, positions=positions)
         h = self.norm(h) if self.norm is not None else h
