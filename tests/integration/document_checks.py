@@ -103,6 +103,7 @@ def independence(argv: list[str]) -> int:
         result["changed_a"] = (logits[:, a_len:] - changed[:, a_len:]).abs().max().item()
         result["a_logits_moved"] = (logits[:, :a_len] - changed[:, :a_len]).abs().max().item()
         result["vs_alone"] = (logits[:, a_len:] - alone[:, : seq - a_len]).abs().max().item()
+        result["largest_logit"] = logits.abs().max().item()
     trainer.train_step([packed])
     grad = _embedding_grad(trainer)
     if grad is not None:

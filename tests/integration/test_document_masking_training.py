@@ -97,7 +97,10 @@ def test_packed_documents_are_independent(debug_runs, debug_folder, layout):
     with_grads = [r for r in ranks if "a_embedding_grad" in r]
     assert with_logits and with_grads
     for r in with_logits:
-        assert r["changed_a"] <= 1e-6 and r["vs_alone"] <= 1e-6, r
+        assert r["changed_a"] <= 1e-6, r
+        # B alone sits elsewhere in the row, so under CP its keys are merged in another order: float32 rounding
+        # (1.2e-6 on logits up to ~10 here), hence relative to the logits' size.
+        assert r["vs_alone"] <= 1e-6 * max(1.0, r["largest_logit"]), r
         assert r["a_logits_moved"] > 1e-3, r  # A's own logits did change
     for r in with_grads:
         assert r["a_embedding_grad"] == 0 and r["b_embedding_grad"] > 0, r
