@@ -43,8 +43,7 @@ def pipeline_tps(tokenizer_file: str, num_workers: int, dp: int, batches: int) -
     first = time.perf_counter() - start
     start, tokens = time.perf_counter(), 0
     for _ in range(batches):
-        inputs, _ = next(it)
-        tokens += inputs.numel()
+        tokens += next(it).input_ids.numel()
     return first, tokens / (time.perf_counter() - start)
 
 

@@ -55,7 +55,7 @@ class MinimalLoop:
                 self.model.layers.register_module(name, torch.compile(block, fullgraph=True))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=8e-4, betas=(0.9, 0.95),
                                            weight_decay=0.1, fused=True)
-        self.inputs, self.labels = next(iter(trainer.dataloader))
+        self.inputs, self.labels, *_ = next(iter(trainer.dataloader))
         self.dtype = dtype
 
     def step(self) -> None:
