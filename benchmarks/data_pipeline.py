@@ -3,9 +3,11 @@
     python benchmarks/data_pipeline.py [--trainer-tps N | --trainer-steps 8] [--output benchmarks/data_pipeline.md]
 
 The pipeline is measured as the trainer uses it (debug preset: pydocs, seq_len 2048, local batch 8):
-rank 0's loader for each tokenizer format, worker count and data-parallel degree. Every rank tokenizes
-the whole global stream and keeps 1/dp of it, so what one rank receives falls with dp; the ratio
-column compares it with the trainer's tokens/s per device, which must stay below 1/20 of it.
+rank 0's loader for each source (on-the-fly tokenization with each tokenizer format, and the same documents
+pre-tokenized into shards by scripts/tokenize_dataset.py, dataset_format "tokens"), worker count and
+data-parallel degree. Every rank reads the whole global stream and keeps 1/dp of it, so what one rank receives
+falls with dp; the "x trainer" column compares it with the trainer's tokens/s per device, which must stay
+below 1/20 of it, and "x on-the-fly" the shards with the faster on-the-fly format in the same setting.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ SEQ_LEN, LOCAL_BATCH = 2048, 8
 REQUIRED_RATIO = 20
 
 
-def pipeline_tps(tokenizer_file: str, num_workers: int, dp: int, batches: int) -> tuple[float, float]:
-    """(seconds to the first batch, steady tokens/s after it) of rank 0's loader."""
+def pipeline_tps(tokenizer_file: str, num_workers: int, dp: int, batches: int,
+                 shards: str | None = None) -> tuple[float, float]:
+    """(seconds to the first batch, steady tokens/s after it) of rank 0's loader; from ``shards`` if given."""
     tokenizer = build_tokenizer(str(REPO / "assets" / "tokenizer"), tokenizer_file)
-    loader = build_dataloader(tokenizer, dataset="pydocs", dataset_path=None, seq_len=SEQ_LEN,
-                              local_batch_size=LOCAL_BATCH, dp_rank=0, dp_world_size=dp, num_workers=num_workers)
+    loader = build_dataloader(tokenizer, dataset="pydocs", dataset_path=shards, seq_len=SEQ_LEN,
+                              local_batch_size=LOCAL_BATCH, dp_rank=0, dp_world_size=dp, num_workers=num_workers,
+                              dataset_format="tokens" if shards else "text")
     start = time.perf_counter()
     it = iter(loader)
     next(it)
@@ -76,18 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Trainer, debug model (1 process): {consumed:,.0f} tokens/s per device.",
         "",
-        "| tokenizer file | workers | dp | first batch (s) | tokens/s to this rank | x trainer |",
-        "|---|---|---|---|---|---|",
+        "| source | workers | dp | first batch (s) | tokens/s to this rank | x trainer | x on-the-fly |",
+        "|---|---|---|---|---|---|---|",
     ]
     worst = float("inf")
-    for tokenizer_file in ("tokenizer.model", "tokenizer.json"):
-        for num_workers in (0, 2):
-            for dp in (1, 4):
-                first, delivered = pipeline_tps(tokenizer_file, num_workers, dp, args.batches // dp)
-                worst = min(worst, delivered / consumed)
-                lines.append(f"| {tokenizer_file} | {num_workers} | {dp} | {first:.2f} | {delivered:,.0f} | "
-                             f"{delivered / consumed:.0f}x |")
-                print(lines[-1], flush=True)
+    on_the_fly: dict[tuple[int, int], float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        shards = str(pathlib.Path(folder) / "pydocs_tokens")
+        subprocess.run([sys.executable, "scripts/tokenize_dataset.py", "--dataset", "pydocs", "--output", shards],
+                       cwd=REPO, check=True, capture_output=True)
+        sources = [("text, tokenizer.model", "tokenizer.model", None), ("text, tokenizer.json", "tokenizer.json", None),
+                   ("tokens (shards)", "tokenizer.model", shards)]
+        for name, tokenizer_file, path in sources:
+            for num_workers in (0, 2):
+                for dp in (1, 4):
+                    first, delivered = pipeline_tps(tokenizer_file, num_workers, dp, args.batches // dp, path)
+                    worst = min(worst, delivered / consumed)
+                    if path is None:
+                        on_the_fly[num_workers, dp] = max(on_the_fly.get((num_workers, dp), 0.0), delivered)
+                    speedup = f"{delivered / on_the_fly[num_workers, dp]:.1f}x" if path else ""
+                    lines.append(f"| {name} | {num_workers} | {dp} | {first:.2f} | {delivered:,.0f} | "
+                                 f"{delivered / consumed:.0f}x | {speedup} |")
+                    print(lines[-1], flush=True)
     lines += ["", f"Lowest margin: {worst:.0f}x (required: {REQUIRED_RATIO}x)."]
     table = "\n".join(lines)
     print(table)

@@ -129,6 +129,7 @@ class Trainer:
             text_column=training.dataset_text_column,
             dataset_format=training.dataset_format,
             chat=training.chat,
+            shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
         )
         self.expert_loads = None
         if getattr(self.model_args, "moe", None) is not None:

@@ -116,9 +116,12 @@ class Training:
     dataset: str = option(
         "pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103 (text); pydocs_chat (chat)"
     )
-    dataset_format: Literal["text", "chat"] = option(
+    dataset_format: Literal["text", "chat", "tokens"] = option(
         "text", "text: documents packed end to end; chat: conversations rendered with the tokenizer's chat "
-        "template, trained per training.chat"
+        "template, trained per training.chat; tokens: dataset_path is a folder of scripts/tokenize_dataset.py shards"
+    )
+    shuffle_documents: bool = option(
+        False, "tokens format: read the documents in a permutation drawn per pass from debug.seed (else stored order)"
     )
     dataset_path: str | None = option(
         None, "Local json/jsonl/parquet/arrow/txt file or folder; used instead of training.dataset when set"
@@ -264,8 +267,9 @@ class Comm:
 class Validation:
     enable: bool = option(False, "Run validation during training")
     dataset: str = option("pydocs", "Registered dataset used for validation (its validation split)")
-    dataset_format: Literal["text", "chat"] = option(
-        "text", "text or chat (conversations read and packed as training.chat says; loss on trained tokens only)"
+    dataset_format: Literal["text", "chat", "tokens"] = option(
+        "text", "text, chat (conversations read and packed as training.chat says; loss on trained tokens only) "
+        "or tokens (dataset_path: a folder of pre-tokenized shards)"
     )
     dataset_path: str | None = option(
         None, "Local validation file or folder (all of it is held out); used instead of validation.dataset when set"

@@ -26,7 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
-from torchtitan.data.dataset import Batch, StreamPosition, document_positions
+from torchtitan.data.dataset import StreamPosition, document_positions
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.data.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: 
 class PackedChatDataset(IterableDataset):
     """One data-parallel rank's micro-batches of packed conversations (see the module doc).
 
-    Yields ``(batch, state)``: a `Batch` [local_batch_size, seq_len] and ``{"position": the StreamPosition
+    Yields ``(batch, state)``: the `Batch` fields stacked (4, local_batch_size, seq_len) and ``{"position": the StreamPosition
     after the round, "counts": {"conversations_truncated": n, "conversations_dropped": n} of the round}``,
     identical on every rank.
     """
@@ -171,15 +171,15 @@ class PackedChatDataset(IterableDataset):
             position = StreamPosition(pending[0], pending[1]) if pending is not None else after
             yield tokens, labels, ids, position, counts
 
-    def __iter__(self) -> Iterator[tuple[Batch, dict]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, dict]]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
         mine = slice(self.dp_rank, None, self.dp_world_size)
         for step, (tokens, labels, ids, position, counts) in enumerate(self._rounds()):
             if step % num_workers == worker_id:
                 ids_t = torch.from_numpy(ids[mine])
-                batch = Batch(torch.from_numpy(tokens[mine]), torch.from_numpy(labels[mine]), ids_t,
-                              document_positions(ids_t))
+                batch = torch.stack([torch.from_numpy(tokens[mine]), torch.from_numpy(labels[mine]), ids_t,
+                                     document_positions(ids_t)])
                 yield batch, {"position": position.state_dict(), "counts": counts}
 
 

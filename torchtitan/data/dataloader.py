@@ -25,6 +25,7 @@ from torchtitan.config.job_config import Chat
 from torchtitan.data.chat import PackedChatDataset
 from torchtitan.data.dataset import Batch, PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
+from torchtitan.data.shards import TokenShards
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ class TokenDataLoader(StatefulDataLoader):
                 self._position = StreamPosition.from_state_dict(state["position"])
                 for name, count in state.get("counts", {}).items():
                     self.counts[name] = self.counts.get(name, 0) + count
-                yield batch
+                yield Batch(*batch)  # the dataset stacks the fields: one transfer from a worker
                 continue
             # Raised outside the except block (no exception context), after dropping the iterator:
             # its workers stop now.
@@ -109,12 +110,14 @@ def build_dataloader(
     infinite: bool = True,
     dataset_format: str = "text",
     chat: Chat | None = None,
+    shuffle_seed: int | None = None,
 ) -> TokenDataLoader:
     """Return a resumable loader of one rank's `Batch` micro-batches, each field [local_batch_size, seq_len].
 
     dataset_path (local files or a folder) takes precedence over the registered dataset name. With
     ``dataset_format`` "chat" the rows are conversations (column ``chat.messages_column`` of files), packed
-    as ``chat`` says (data/chat.py).
+    as ``chat`` says (data/chat.py). With "tokens", ``dataset_path`` is a folder of pre-tokenized shards
+    (data/shards.py), read in stored order or, given ``shuffle_seed``, in a seeded permutation per pass.
     """
     label = repr(dataset_path if dataset_path is not None else dataset)
     layout = dict(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
@@ -123,10 +126,16 @@ def build_dataloader(
         chat = chat or Chat()
         conversations = load_documents(dataset, dataset_path, split, chat.messages_column, "chat")
         packed = PackedChatDataset(conversations, tokenizer, train_on=chat.train_on, overlong=chat.overlong, **layout)
+    elif dataset_format == "tokens":
+        if dataset_path is None:
+            raise DataError("dataset_format 'tokens' reads dataset_path, a folder made by scripts/tokenize_dataset.py; "
+                            "none is set")
+        shards = TokenShards(dataset_path, tokenizer, shuffle_seed)
+        packed = PackedTokenDataset(shards, tokenizer, **layout)
     elif dataset_format == "text":
         packed = PackedTokenDataset(load_documents(dataset, dataset_path, split, text_column), tokenizer, **layout)
     else:
-        raise ValueError(f"dataset_format {dataset_format!r} is not one of text, chat")
+        raise ValueError(f"dataset_format {dataset_format!r} is not one of text, chat, tokens")
     return TokenDataLoader(
         packed,
         num_workers=num_workers,

@@ -220,6 +220,14 @@ for _name, _dataset in HUB_DATASETS.items():
 def source_problems(dataset: str, dataset_path: str | None, split: str,
                     format: str = "text") -> list[tuple[str, str]]:
     """Problems with a section's data source (its ``dataset`` / ``dataset_path`` fields) as (field, reason)."""
+    if format == "tokens":
+        if dataset_path is None:
+            return [("dataset_path", "is required by dataset_format 'tokens': a folder made by "
+                                     "scripts/tokenize_dataset.py")]
+        if not (pathlib.Path(dataset_path) / "manifest.json").is_file():
+            return [("dataset_path", "holds no manifest.json: not a folder made by scripts/tokenize_dataset.py "
+                                     "(dataset_format 'tokens')")]
+        return []
     if dataset_path is not None:
         return [] if pathlib.Path(dataset_path).exists() else [("dataset_path", "does not exist")]
     if dataset not in DATASETS:

@@ -67,6 +67,9 @@ DEFAULT_SPECIAL_TOKENS = {
 class Tokenizer(abc.ABC):
     """Text <-> token ids; BOS/EOS are added only when asked for."""
 
+    # The file build_tokenizer loaded it from (pre-tokenized data records its hash).
+    source_file: pathlib.Path | None = None
+
     # The Jinja chat template from tokenizer_config.json, or None when the folder has none.
     chat_template: str | None = None
 
@@ -353,5 +356,7 @@ def build_tokenizer(hf_assets_path: str, file_name: str | None = None) -> Tokeni
             if file_name is None:
                 continue  # e.g. a SentencePiece model next to the tokenizer.json that describes it
             raise ValueError(f"{path} is not a tiktoken BPE file ('base64(token bytes) rank' lines)")
-        return load(folder, _read_config(folder))
+        tokenizer = load(folder, _read_config(folder))
+        tokenizer.source_file = path  # what pre-tokenized data records, to refuse data of another tokenizer
+        return tokenizer
     raise FileNotFoundError(f"no usable tokenizer file in {str(folder)!r}; looked for: {file_name or expected}")
