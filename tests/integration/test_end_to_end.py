@@ -37,3 +37,21 @@ def test_single_process_run_without_torchrun_saves_config_and_appends_metrics(tm
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 1, 2, 3]  # appended on relaunch, never truncated
     assert all(r["memory_gib"] > 0 and r["tps"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_training_on_pretokenized_shards_gives_the_text_runs_losses(tmp_path):
+    """The README flow for shards: tokenize pydocs with the script, train on them: the same losses as on-the-fly."""
+    shards = tmp_path / "pydocs_tokens"
+    made = run_module("scripts.tokenize_dataset", "--dataset", "pydocs", "--output", str(shards), "--workers", "1")
+    assert made.returncode == 0, made.stderr
+    common = ["--job.config_file", "train_configs/tiny.toml", "--training.steps", "4", "--metrics.log_freq", "1",
+              "--training.mixed_precision_param", "float32"]
+    losses = {}
+    for name, flags in (("text", []), ("tokens", ["--training.dataset_format", "tokens",
+                                                  "--training.dataset_path", str(shards)])):
+        result = run_module("torchtitan.train", *common, *flags, f"--job.dump_folder={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows]
+    assert len(losses["text"]) == 4 and losses["tokens"] == losses["text"]
