@@ -130,6 +130,8 @@ class Trainer:
             dataset_format=training.dataset_format,
             chat=training.chat,
             shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
+            mixture=cfg.data,
+            global_batch_size=global_batch,
         )
         self.expert_loads = None
         if getattr(self.model_args, "moe", None) is not None:
@@ -325,7 +327,8 @@ class Trainer:
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
-            extra.update({f"data/{name}": n for name, n in getattr(self.dataloader, "counts", {}).items()})
+            data_metrics = getattr(self.dataloader, "metrics", dict)()
+            extra.update({f"data/{name}": n for name, n in data_metrics.items()})
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))

@@ -2,6 +2,7 @@
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,23 @@ def test_training_on_pretokenized_shards_gives_the_text_runs_losses(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in rows]
     assert len(losses["text"]) == 4 and losses["tokens"] == losses["text"]
+
+
+@pytest.mark.slow
+def test_a_mixture_of_text_and_shards_trains_and_logs_each_sources_tokens(tmp_path):
+    shards = tmp_path / "pydocs_tokens"
+    made = run_module("scripts.tokenize_dataset", "--dataset", "pydocs", "--output", str(shards), "--workers", "1")
+    assert made.returncode == 0, made.stderr
+    config = tmp_path / "mixture.toml"
+    config.write_text(f'extends = "{Path.cwd() / "train_configs/tiny.toml"}"\n'
+                      '[[data.sources]]\nname = "text"\ndataset = "pydocs"\nweight = 0.75\n'
+                      f'[[data.sources]]\nname = "shards"\nkind = "tokens"\npath = "{shards}"\nweight = 0.25\n'
+                      '[[data.stages]]\nstart_step = 3\nweights = [0, 1]\n')
+    result = run_module("torchtitan.train", "--job.config_file", str(config), "--training.steps", "4",
+                        "--metrics.log_freq", "1", f"--job.dump_folder={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_step = 4 * 64  # tiny.toml: 4 sequences of 64 tokens per step
+    assert [(r["data/tokens/text"], r["data/tokens/shards"]) for r in rows] == [
+        (3 * 64, 64), (6 * 64, 2 * 64), (6 * 64, 2 * 64 + per_step), (6 * 64, 2 * 64 + 2 * per_step)]
+    assert all(r["data/epoch/text"] == 0 for r in rows)

@@ -112,6 +112,30 @@ class Chat:
 
 
 @dataclass
+class DataSource:
+    name: str = option("", "Name of the source in metrics (data/tokens/NAME)")
+    kind: Literal["text", "tokens"] = option("text", "text: documents tokenized on the fly; tokens: a shard folder")
+    path: str | None = option(None, "Local file/folder (text) or shard folder (tokens); text without it: dataset")
+    dataset: str = option("pydocs", "Registered text dataset, read when path is unset")
+    weight: float = option(1.0, "Share of the sequences (weights are normalised over the sources)")
+
+
+@dataclass
+class DataStage:
+    start_step: int = option(1, "First training step with these weights")
+    weights: list[float] = option([], "One weight per [[data.sources]] entry, in order (0 leaves a source out)")
+
+
+@dataclass
+class Data:
+    sources: list[DataSource] = option([], "A mixture of sources ([[data.sources]]); replaces training.dataset")
+    stages: list[DataStage] = option([], "Weight changes at given steps ([[data.stages]]), e.g. for annealing")
+    on_exhausted: Literal["repeat", "stop"] = option(
+        "repeat", "A source that runs out starts over (its pass counter is logged) or ends the run"
+    )
+
+
+@dataclass
 class Training:
     dataset: str = option(
         "pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103 (text); pydocs_chat (chat)"
@@ -301,6 +325,7 @@ class JobConfig:
     optimizer: Optimizer = section(Optimizer, "Optimizer")
     lr_scheduler: LRScheduler = section(LRScheduler, "Learning-rate schedule")
     training: Training = section(Training, "Data, batch and precision")
+    data: Data = section(Data, "Data mixtures: several sources by weight, in stages")
     parallelism: Parallelism = section(Parallelism, "Parallel layout")
     moe: MoE = section(MoE, "Mixture-of-Experts training: load balancing, router precision, expert kernels")
     checkpoint: Checkpoint = section(Checkpoint, "Checkpointing")

@@ -54,7 +54,11 @@ def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + "|".join(str(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"list of {type_name(typing.get_args(tp)[0])} (comma-separated)"
+        item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):
+            keys = ", ".join(f.name for f in dataclasses.fields(item))
+            return f"TOML array of tables ([[...]]), each with keys {keys}"
+        return f"list of {type_name(item)} (comma-separated)"
     return {bool: "true|false", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
@@ -70,7 +74,34 @@ def coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         if value not in choices:
             raise ValueError
         return value
+    if dataclasses.is_dataclass(tp):
+        # An entry of a TOML array of tables: every key must be a field, each value of its field's type.
+        hints = _hints(tp)
+        if from_cli or not isinstance(value, dict):
+            raise ValueError("not a table")
+        fields = {}
+        for key, item in value.items():
+            if key not in hints:
+                raise ValueError(f"unknown key {key!r}; valid: {', '.join(hints)}")
+            try:
+                fields[key] = coerce(item, hints[key], False)
+            except ValueError:
+                raise ValueError(f"{key} = {item!r} is invalid; expected {type_name(hints[key])}") from None
+        return tp(**fields)
     if origin is list:
+        item_type = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item_type):
+            if from_cli:
+                raise ValueError("tables are set in the TOML file, not on the command line")
+            if not isinstance(value, list):
+                raise ValueError
+            items = []
+            for index, item in enumerate(value):
+                try:
+                    items.append(coerce(item, item_type, False))
+                except ValueError as e:
+                    raise ValueError(f"entry {index}: {e}") from None
+            return items
         if from_cli:
             # A list of lists on the command line: ';' between the outer items, ',' inside them.
             nested = typing.get_origin(typing.get_args(tp)[0]) is list
@@ -138,8 +169,9 @@ def _set(cfg: JobConfig, dotted: str, value: Any, source: str, sources: ConfigSo
         raise ConfigError(f"{source}: unknown key '{dotted}'; {hint}") from None
     try:
         setattr(obj, name, coerce(value, tp, from_cli))
-    except ValueError:
-        raise ConfigError(f"{source}: {dotted} = {value!r} is invalid; expected {type_name(tp)}") from None
+    except ValueError as e:
+        detail = f" ({e})" if str(e) else ""
+        raise ConfigError(f"{source}: {dotted} = {value!r} is invalid{detail}; expected {type_name(tp)}") from None
     sources[dotted] = source
 
 
@@ -249,6 +281,8 @@ def config_to_dict(obj: Any) -> dict:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             out[f.name] = config_to_dict(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            out[f.name] = [config_to_dict(item) for item in value]
         elif value is not None:
             out[f.name] = value
     return out

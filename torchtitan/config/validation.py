@@ -14,13 +14,18 @@ class _Checker:
         self.cfg, self.sources = cfg, sources
 
     def value(self, key: str) -> Any:
+        """The value at a dotted key; "data.sources[1]" is entry 1 of a list of tables."""
         obj = self.cfg
         for part in key.split("."):
-            obj = getattr(obj, part)
+            name, _, index = part.partition("[")
+            obj = getattr(obj, name)
+            if index:
+                obj = obj[int(index.rstrip("]"))]
         return obj
 
     def fail(self, key: str, reason: str) -> None:
-        raise ConfigError(f"{self.sources.describe(key)}: {key} = {self.value(key)!r} {reason}")
+        where = self.sources.describe(key.split("[")[0])
+        raise ConfigError(f"{where}: {key} = {self.value(key)!r} {reason}")
 
     def require(self, key: str, ok: bool, reason: str) -> None:
         if not ok:
@@ -161,6 +166,7 @@ def _check_converters(c: _Checker) -> None:
 
 def _check_data(c: _Checker) -> None:
     from torchtitan.components.validate import config_problems
+    from torchtitan.data.mixture import config_problems as mixture_problems
     from torchtitan.data.sources import source_problems
 
     for section, split in (("training", "train"), ("validation", "validation")):
@@ -172,6 +178,7 @@ def _check_data(c: _Checker) -> None:
                            for field, reason in source_problems(s.dataset, s.dataset_path, split,
                                                                 getattr(s, "dataset_format", "text"))])
     c.report("validation", config_problems(c.cfg.validation, c.cfg.training.seq_len))
+    c.report("data", mixture_problems(c.cfg.data, c.cfg.training))
 
 
 def _check_checkpoint(c: _Checker, world_size: int) -> None:

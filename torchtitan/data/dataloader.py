@@ -21,10 +21,11 @@ from collections.abc import Iterator
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.components.preemption import ignore_preemption_signals
-from torchtitan.config.job_config import Chat
+from torchtitan.config.job_config import Chat, Data
 from torchtitan.data.chat import PackedChatDataset
 from torchtitan.data.dataset import Batch, PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
+from torchtitan.data.mixture import MixtureDataset, MixtureSource
 from torchtitan.data.shards import TokenShards
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
@@ -47,6 +48,9 @@ class TokenDataLoader(StatefulDataLoader):
         self._position = dataset.start
         self.counts: dict[str, int] = {}
         self._start_counts: dict[str, int] = {}
+        self.gauges: dict[str, int] = {}
+        # A mixture's position is its own type; the single-source datasets' is a StreamPosition.
+        self._read_position = getattr(dataset, "position_from_state", StreamPosition.from_state_dict)
 
     def __iter__(self) -> Iterator[Batch]:
         self._position = self.dataset.start
@@ -66,9 +70,10 @@ class TokenDataLoader(StatefulDataLoader):
                 # that way stalls for torch's 5 s join timeout per worker. Clearing the frames breaks it.
                 traceback.clear_frames(e.__traceback__)
             else:
-                self._position = StreamPosition.from_state_dict(state["position"])
+                self._position = self._read_position(state["position"])
                 for name, count in state.get("counts", {}).items():
                     self.counts[name] = self.counts.get(name, 0) + count
+                self.gauges.update(state.get("gauges", {}))
                 yield Batch(*batch)  # the dataset stacks the fields: one transfer from a worker
                 continue
             # Raised outside the except block (no exception context), after dropping the iterator:
@@ -76,6 +81,11 @@ class TokenDataLoader(StatefulDataLoader):
             del items
             self._iterator = None
             raise error
+
+    def metrics(self) -> dict[str, int]:
+        """What the data source reports for the metrics: totals (e.g. tokens per mixture source) and the latest
+        gauges (e.g. each mixture source's pass over its data)."""
+        return {**self.counts, **self.gauges}
 
     def state_dict(self) -> dict:
         """The stream position after the last micro-batch handed out (layout-independent), and the counts."""
@@ -85,7 +95,7 @@ class TokenDataLoader(StatefulDataLoader):
         """Make the next iteration start right after the micro-batch at which state_dict was taken."""
         if "stream_position" not in state_dict:
             raise ValueError(f"dataloader state has keys {sorted(state_dict)}; expected 'stream_position'")
-        self.dataset.start = self._position = StreamPosition.from_state_dict(state_dict["stream_position"])
+        self.dataset.start = self._position = self._read_position(state_dict["stream_position"])
         self._start_counts = dict(state_dict.get("counts", {}))
         self.counts = dict(self._start_counts)
         # Persistent workers keep their copy of the dataset; start new ones that see the new position.
@@ -111,6 +121,8 @@ def build_dataloader(
     dataset_format: str = "text",
     chat: Chat | None = None,
     shuffle_seed: int | None = None,
+    mixture: Data | None = None,
+    global_batch_size: int | None = None,
 ) -> TokenDataLoader:
     """Return a resumable loader of one rank's `Batch` micro-batches, each field [local_batch_size, seq_len].
 
@@ -119,6 +131,12 @@ def build_dataloader(
     as ``chat`` says (data/chat.py). With "tokens", ``dataset_path`` is a folder of pre-tokenized shards
     (data/shards.py), read in stored order or, given ``shuffle_seed``, in a seeded permutation per pass.
     """
+    if mixture is not None and mixture.sources:
+        packed = build_mixture(tokenizer, mixture, seq_len=seq_len, local_batch_size=local_batch_size,
+                               dp_rank=dp_rank, dp_world_size=dp_world_size, split=split,
+                               global_batch_size=global_batch_size or local_batch_size * dp_world_size,
+                               shuffle_seed=shuffle_seed)
+        return _loader(packed, num_workers, pin_memory, prefetch_factor, persistent_workers)
     label = repr(dataset_path if dataset_path is not None else dataset)
     layout = dict(seq_len=seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                   infinite=infinite, label=label)
@@ -136,6 +154,11 @@ def build_dataloader(
         packed = PackedTokenDataset(load_documents(dataset, dataset_path, split, text_column), tokenizer, **layout)
     else:
         raise ValueError(f"dataset_format {dataset_format!r} is not one of text, chat, tokens")
+    return _loader(packed, num_workers, pin_memory, prefetch_factor, persistent_workers)
+
+
+def _loader(packed, num_workers: int, pin_memory: bool, prefetch_factor: int | None,
+            persistent_workers: bool) -> TokenDataLoader:
     return TokenDataLoader(
         packed,
         num_workers=num_workers,
@@ -145,3 +168,25 @@ def build_dataloader(
         prefetch_factor=prefetch_factor,
         persistent_workers=persistent_workers,
     )
+
+
+def build_mixture(tokenizer: Tokenizer, data: Data, *, seq_len: int, local_batch_size: int, dp_rank: int,
+                  dp_world_size: int, split: str, global_batch_size: int,
+                  shuffle_seed: int | None = None) -> MixtureDataset:
+    """The [data] section's sources and stages as one rank's MixtureDataset (data/mixture.py)."""
+    sources = []
+    for i, source in enumerate(data.sources):
+        name = source.name or f"source{i}"
+        if source.kind == "tokens":
+            if source.path is None:
+                raise DataError(f"data.sources[{i}] ({name}): kind 'tokens' needs a path (a shard folder)")
+            documents = TokenShards(source.path, tokenizer, shuffle_seed)
+        else:
+            documents = load_documents(source.dataset, source.path, split)
+        sources.append(MixtureSource(name, documents))
+    stages = [(0, [source.weight for source in data.sources])]
+    for stage in data.stages:
+        first = (stage.start_step - 1) * global_batch_size
+        stages = [s for s in stages if s[0] < first] + [(first, list(stage.weights))]
+    return MixtureDataset(sources, stages, tokenizer, seq_len, local_batch_size, dp_rank, dp_world_size,
+                          repeat=data.on_exhausted == "repeat")
