@@ -101,6 +101,15 @@ def test_resume_inside_a_stage_and_at_its_boundary_under_another_layout(tokenize
             assert torch.equal(mine.input_ids, full.input_ids.view(25, 2, -1)[:, rank])
 
 
+def test_a_checkpoint_of_other_sources_is_refused(tokenizer):
+    saved = loader(tokenizer, mixture())
+    take(saved, 2)
+    two = Data(sources=mixture().sources[:2])
+    with pytest.raises(DataError, match=r"for the sources \['mix_a', 'mix_b', 'mix_c'\], not the configured "
+                                        r"\['mix_a', 'mix_b'\]"):
+        loader(tokenizer, two).load_state_dict(saved.state_dict())
+
+
 def test_an_exhausted_source_repeats_with_a_pass_counter_or_ends_the_run(tokenizer):
     repeating = loader(tokenizer, mixture())
     take(repeating, 40)
@@ -145,6 +154,9 @@ def test_config_tables_parse_validate_and_round_trip(tmp_path):
             r"entry 0: kind = 'bogus' is invalid; expected one of text\|tokens",
         SOURCES + "[[data.stages]]\nstart_step = 5\nweights = [1]\n": r"data.stages\[0\] = .* must be 2 numbers",
         SOURCES + "[[data.stages]]\nstart_step = 0\nweights = [1, 1]\n": r"start_step 0 must be >= 1",
+        SOURCES + "[[data.stages]]\nstart_step = 2\nweights = [nan, 1]\n": r"data.stages\[0\] = .* >= 0",
+        SOURCES.replace('dataset = "pydocs"\nweight = 1', 'dataset = "nope"\nweight = 1'):
+            r"data.sources\[1\] = .* dataset: is not a registered dataset",
     }
     for table, message in errors.items():
         with pytest.raises(ConfigError, match=message):
@@ -153,5 +165,7 @@ def test_config_tables_parse_validate_and_round_trip(tmp_path):
         validate(tmp_path, SOURCES, "--training.dataset_path", "assets/tokenizer")
     with pytest.raises(ConfigError, match=r"entry 1: unknown key 'wieght'; valid: name, kind, path"):
         validate(tmp_path, SOURCES.replace("weight = 1", "wieght = 1"))
+    with pytest.raises(ConfigError, match="training.shuffle_documents = True shuffles only pre-tokenized shards"):
+        validate(tmp_path, SOURCES, "--training.shuffle_documents")
     with pytest.raises(ConfigError, match="tables are set in the TOML file"):
         validate(tmp_path, "", "--data.sources", "x")

@@ -135,6 +135,15 @@ def test_bad_shards_give_one_line_errors_naming_the_file(tokenizer, shards, tmp_
     assert (shards / "tokens-00001.bin").exists()  # the original is untouched
 
 
+def test_ids_beyond_the_shard_dtype_are_refused(tmp_path):
+    from torchtitan.data.shards import ShardWriter
+
+    writer = ShardWriter(tmp_path, np.dtype(np.uint16), 1 << 20)
+    writer.add(np.array([0, 65535]))
+    with pytest.raises(DataError, match="document 1 has token id 70000, beyond uint16"):
+        writer.add(np.array([1, 70000]))
+
+
 def test_config_requires_a_shard_folder(shards):
     def validate(*flags):
         cfg, sources = load_config(["--job.config_file", "train_configs/debug_model.toml", *flags])

@@ -179,6 +179,9 @@ def _check_data(c: _Checker) -> None:
                                                                 getattr(s, "dataset_format", "text"))])
     c.report("validation", config_problems(c.cfg.validation, c.cfg.training.seq_len))
     c.report("data", mixture_problems(c.cfg.data, c.cfg.training))
+    reads_shards = c.cfg.training.dataset_format == "tokens" or any(s.kind == "tokens" for s in c.cfg.data.sources)
+    c.require("training.shuffle_documents", not c.cfg.training.shuffle_documents or reads_shards,
+              "shuffles only pre-tokenized shards (dataset_format 'tokens' or a [[data.sources]] of kind 'tokens')")
 
 
 def _check_checkpoint(c: _Checker, world_size: int) -> None:

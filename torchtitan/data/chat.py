@@ -67,9 +67,9 @@ def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: 
 class PackedChatDataset(IterableDataset):
     """One data-parallel rank's micro-batches of packed conversations (see the module doc).
 
-    Yields ``(batch, state)``: the `Batch` fields stacked (4, local_batch_size, seq_len) and ``{"position": the StreamPosition
-    after the round, "counts": {"conversations_truncated": n, "conversations_dropped": n} of the round}``,
-    identical on every rank.
+    Yields ``(batch, state)``: the `Batch` fields stacked (4, local_batch_size, seq_len) and ``{"position": the
+    StreamPosition after the round, "counts": {"conversations_truncated": n, "conversations_dropped": n} of the
+    round}``, identical on every rank.
     """
 
     def __init__(self, conversations: Iterable, tokenizer: Tokenizer, seq_len: int, local_batch_size: int = 1,

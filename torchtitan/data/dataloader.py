@@ -55,6 +55,7 @@ class TokenDataLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[Batch]:
         self._position = self.dataset.start
         self.counts = dict(self._start_counts)
+        self.gauges = {}
         return self._batches(super().__iter__())
 
     def _batches(self, items: Iterator) -> Iterator[Batch]:
@@ -98,6 +99,7 @@ class TokenDataLoader(StatefulDataLoader):
         self.dataset.start = self._position = self._read_position(state_dict["stream_position"])
         self._start_counts = dict(state_dict.get("counts", {}))
         self.counts = dict(self._start_counts)
+        self.gauges = {}
         # Persistent workers keep their copy of the dataset; start new ones that see the new position.
         self._iterator = None
 

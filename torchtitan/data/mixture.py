@@ -3,10 +3,11 @@
 Each source is its own packed stream of windows (data/dataset.py: text tokenized on the fly, or pre-tokenized
 shards). The global stream of sequences interleaves them by weight, deterministically: sequence n of a stage
 comes from the source that is furthest behind its share, i.e. maximises ``w_s * (n + 1) - c_s`` (``c_s``: its
-sequences so far in the stage; ties to the first source). Every source's count then stays within one sequence
-of ``n * w_s`` after every prefix, so any run of 1,000 consecutive sequences holds each source within 0.2
-percentage points of its weight. Stages switch the weights at given steps: step k trains on global sequences
-[(k - 1) G, k G) for global batch G, so the new weights apply from step k exactly, with fresh counts.
+sequences so far in the stage; ties to the first source). Every source's count then stays within about one
+sequence of ``n * w_s`` after every prefix, so any run of 1,000 consecutive sequences holds each source within
+a few tenths of a percentage point of its weight. Stages switch the weights at given steps: step k trains on
+global sequences [(k - 1) G, k G) for global batch G, so the new weights apply from step k exactly, with fresh
+counts.
 
 Layout independence and resuming work as for one source: a rank's micro-batch takes rows r, r + dp, ... of
 the next local_batch x dp sequences (a round); the position after a round is every source's stream position,
@@ -35,17 +36,18 @@ class MixturePosition:
     sequence: int = 0
     stage_counts: tuple[int, ...] = ()
     sources: tuple[StreamPosition, ...] = ()
+    names: tuple[str, ...] = ()
 
     def state_dict(self) -> dict:
         return {"sequence": self.sequence, "stage_counts": list(self.stage_counts),
-                "sources": [p.state_dict() for p in self.sources]}
+                "sources": [p.state_dict() for p in self.sources], "names": list(self.names)}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> MixturePosition:
-        if set(state) != {"sequence", "stage_counts", "sources"}:
-            raise ValueError(f"invalid mixture position {state!r}; expected sequence, stage_counts and sources")
+        if set(state) != {"sequence", "stage_counts", "sources", "names"}:
+            raise ValueError(f"invalid mixture position {state!r}; expected sequence, stage_counts, sources, names")
         return cls(state["sequence"], tuple(state["stage_counts"]),
-                   tuple(StreamPosition.from_state_dict(p) for p in state["sources"]))
+                   tuple(StreamPosition.from_state_dict(p) for p in state["sources"]), tuple(state["names"]))
 
 
 @dataclass
@@ -89,17 +91,21 @@ class MixtureDataset(IterableDataset):
         self.stages = []
         for first, weights in stages:
             w = np.asarray(weights, dtype=np.float64)
-            if len(w) != len(sources) or (w < 0).any() or w.sum() <= 0:
+            if len(w) != len(sources) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
                 raise ValueError(f"stage from sequence {first}: weights {list(weights)} must be {len(sources)} "
                                  "non-negative numbers with a positive sum")
             self.stages.append(Stage(first, w / w.sum()))
         if not self.stages or self.stages[0].first_sequence != 0:
             raise ValueError("the first stage must start at sequence 0")
-        self.start = MixturePosition(0, (0,) * len(sources), (StreamPosition(),) * len(sources))
+        self.names = tuple(source.name for source in sources)
+        self.start = MixturePosition(0, (0,) * len(sources), (StreamPosition(),) * len(sources), self.names)
 
-    @staticmethod
-    def position_from_state(state: dict) -> MixturePosition:
-        return MixturePosition.from_state_dict(state)
+    def position_from_state(self, state: dict) -> MixturePosition:
+        position = MixturePosition.from_state_dict(state)
+        if position.names != self.names:
+            raise DataError(f"the checkpoint's data position is for the sources {list(position.names)}, not the "
+                            f"configured {list(self.names)}; a mixture resumes only with the same sources in order")
+        return position
 
     def _stage_at(self, sequence: int) -> int:
         return max(i for i, stage in enumerate(self.stages) if stage.first_sequence <= sequence)
@@ -133,7 +139,7 @@ class MixtureDataset(IterableDataset):
                 sequence += 1
             if round_index % num_workers == worker_id:
                 position = MixturePosition(sequence, tuple(int(c) for c in counts),
-                                           tuple(stream.position() for stream in streams))
+                                           tuple(stream.position() for stream in streams), self.names)
                 yield text_batch(windows[mine], self.tokenizer.bos_id), {
                     "position": position.state_dict(),
                     "counts": {f"tokens/{source.name}": int(t) for source, t in zip(self.sources, tokens)},
@@ -153,16 +159,17 @@ def config_problems(data, training) -> list[tuple[str, str]]:
         return [("sources", "replace training.dataset: leave training.dataset_path unset and dataset_format 'text'")]
     for i, source in enumerate(data.sources):
         where = f"sources[{i}]"
-        if not source.weight > 0:
-            return [(where, f"weight {source.weight} must be > 0 (a stage may set 0 to leave the source out)")]
+        if not 0 < source.weight < float("inf"):
+            return [(where, f"weight {source.weight} must be > 0 and finite (a stage may set 0 to leave the "
+                            "source out)")]
         if source.kind == "tokens" and (source.path is None or not is_shard_folder(source.path)):
             return [(where, f"path {source.path!r} is not a shard folder (manifest.json from "
                             "scripts/tokenize_dataset.py), which kind 'tokens' reads")]
-        if source.kind == "text" and source.path is not None:
-            import pathlib
+        if source.kind == "text":
+            from torchtitan.data.sources import source_problems
 
-            if not pathlib.Path(source.path).exists():
-                return [(where, f"path {source.path!r} does not exist")]
+            for field_name, reason in source_problems(source.dataset, source.path, "train"):
+                return [(where, f"{field_name.replace('dataset_path', 'path')}: {reason}")]
     names = [source.name for source in data.sources if source.name]
     if len(set(names)) != len(names):
         return [("sources", f"names {names} repeat; each source needs its own (they name its metrics)")]
@@ -171,7 +178,8 @@ def config_problems(data, training) -> list[tuple[str, str]]:
         if stage.start_step <= previous:
             return [(f"stages[{i}]", f"start_step {stage.start_step} must be >= 1 and after the previous stage's")]
         previous = stage.start_step
-        if len(stage.weights) != len(data.sources) or min(stage.weights, default=0) < 0 or sum(stage.weights) <= 0:
+        finite = all(0 <= w < float("inf") for w in stage.weights)
+        if len(stage.weights) != len(data.sources) or not finite or sum(stage.weights) <= 0:
             return [(f"stages[{i}]", f"weights {stage.weights} must be {len(data.sources)} numbers (one per source) "
                                      ">= 0 with a positive sum")]
     return []

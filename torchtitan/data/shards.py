@@ -55,11 +55,18 @@ class ShardWriter:
         self.shards: list[dict] = []
         self._pieces: list[np.ndarray] = []
         self._lengths: list[int] = []
+        self._tokens = 0
+        self._documents = 0
 
     def add(self, ids: np.ndarray) -> None:
+        if len(ids) and ids.max() > np.iinfo(self.dtype).max:
+            raise DataError(f"document {self._documents} has token id {int(ids.max())}, beyond {self.dtype.name} "
+                            "(the tokenizer's ids exceed its vocab_size)")
         self._pieces.append(ids.astype(self.dtype, copy=False))
         self._lengths.append(len(ids))
-        if sum(self._lengths) >= self.shard_tokens:
+        self._tokens += len(ids)
+        self._documents += 1
+        if self._tokens >= self.shard_tokens:
             self.flush()
 
     def flush(self) -> None:
@@ -73,7 +80,7 @@ class ShardWriter:
         offsets.tofile(self.folder / f"{name}.idx")
         self.shards.append({"tokens": f"{name}.bin", "index": f"{name}.idx", "num_tokens": int(len(tokens)),
                             "num_documents": len(self._lengths)})
-        self._pieces, self._lengths = [], []
+        self._pieces, self._lengths, self._tokens = [], [], 0
 
 
 def write_shards(encoded: Iterable[list[int]], tokenizer: Tokenizer, output: str | os.PathLike, source: str,
@@ -145,8 +152,10 @@ class TokenShards:
         self.shuffle_seed = shuffle_seed
 
     def _check_tokenizer(self, tokenizer: Tokenizer, manifest_path: pathlib.Path) -> None:
+        if tokenizer.source_file is None:
+            return  # a tokenizer built in code: nothing to compare
         ours = pathlib.Path(tokenizer.source_file)
-        theirs = (self.manifest.get("tokenizer_file"), self.manifest.get("tokenizer_sha256"))
+        theirs = (self.manifest.get("tokenizer_file"), str(self.manifest.get("tokenizer_sha256")))
         if (ours.name, file_sha256(ours)) != theirs:
             raise DataError(f"{manifest_path}: made with tokenizer {theirs[0]} (sha256 {theirs[1][:12]}…), not the "
                             f"configured {ours} (sha256 {file_sha256(ours)[:12]}…); use that tokenizer "
@@ -156,6 +165,8 @@ class TokenShards:
         return int(self._first[-1])
 
     def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(f"document {index} is out of range for {len(self)} documents in {self.folder}")
         shard = int(np.searchsorted(self._first, index, side="right")) - 1
         local = index - int(self._first[shard])
         start, end = self._offsets[shard][local], self._offsets[shard][local + 1]
