@@ -26,7 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
-from torchtitan.data.dataset import StreamPosition, document_positions
+from torchtitan.data.dataset import StreamPosition, stacked_batch
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.data.tokenizer import Tokenizer
@@ -177,9 +177,7 @@ class PackedChatDataset(IterableDataset):
         mine = slice(self.dp_rank, None, self.dp_world_size)
         for step, (tokens, labels, ids, position, counts) in enumerate(self._rounds()):
             if step % num_workers == worker_id:
-                ids_t = torch.from_numpy(ids[mine])
-                batch = torch.stack([torch.from_numpy(tokens[mine]), torch.from_numpy(labels[mine]), ids_t,
-                                     document_positions(ids_t)])
+                batch = stacked_batch(tokens[mine], labels[mine], ids[mine])
                 yield batch, {"position": position.state_dict(), "counts": counts}
 
 

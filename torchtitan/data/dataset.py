@@ -97,21 +97,32 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(-1).values
 
 
-def text_batch(windows: np.ndarray, bos_id: int) -> torch.Tensor:
-    """The micro-batch of packed windows of seq_len + 1 tokens (inputs w[:-1], labels w[1:]) as one stacked
-    (4, batch, seq_len) tensor of the `Batch` fields: one transfer from a dataloader worker instead of four.
-    Computed in numpy: per batch, torch's small-op overhead would cost more than the arithmetic."""
-    out = np.empty((4, windows.shape[0], windows.shape[1] - 1), dtype=np.int64)
-    inputs, labels, ids, positions = out
-    inputs[:], labels[:] = windows[:, :-1], windows[:, 1:]
-    np.cumsum(inputs == bos_id, axis=-1, out=ids)
-    ids -= ids[:, :1]
+def stacked_batch(inputs: np.ndarray, labels: np.ndarray, ids: np.ndarray | None = None,
+                  bos_id: int | None = None) -> torch.Tensor:
+    """The `Batch` fields stacked in one (4, batch, seq_len) tensor: one transfer from a dataloader worker
+    instead of four. Document ids are ``ids``, or found from BOS (`document_ids`); positions follow from them
+    (`document_positions`). Computed in numpy: per batch, torch's small-op overhead would cost more than the
+    arithmetic."""
+    out = np.empty((4, *inputs.shape), dtype=np.int64)
+    out[0], out[1] = inputs, labels
+    ids_out, positions = out[2], out[3]
+    if ids is None:
+        np.cumsum(inputs == bos_id, axis=-1, out=ids_out)
+        ids_out -= ids_out[:, :1]
+    else:
+        ids_out[:] = ids
+    ids = ids_out
     index = np.arange(inputs.shape[1])
     first = np.ones(ids.shape, dtype=bool)
     np.not_equal(ids[:, 1:], ids[:, :-1], out=first[:, 1:])
     np.maximum.accumulate(np.where(first, index, 0), axis=1, out=positions)
     np.subtract(index, positions, out=positions)
     return torch.from_numpy(out)
+
+
+def text_batch(windows: np.ndarray, bos_id: int) -> torch.Tensor:
+    """The stacked micro-batch of packed windows of seq_len + 1 tokens: inputs w[:-1], labels w[1:]."""
+    return stacked_batch(windows[:, :-1], windows[:, 1:], bos_id=bos_id)
 
 
 class _TokenStream:
