@@ -4,7 +4,8 @@ compiled kernels)."""
 import fcntl
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +17,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchtitan"
 
 
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if need be): other processes on this machine wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def measured_once(file_name: str, key: str, measure: Callable[[], Any]) -> tuple[Any, bool]:
     """(the value cached under ``key`` in the JSON file ``file_name`` of the cache folder, else ``measure()``
     stored there; whether it was measured now). A file lock makes concurrent processes wait for one
     measurement instead of all measuring at once (and slowing each other down); the file is replaced whole."""
     path = cache_dir() / file_name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(path.with_suffix(".lock")):
         cache = json.loads(path.read_text()) if path.exists() else {}
         if key in cache:
             return cache[key], False

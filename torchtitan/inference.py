@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchtitan.components.checkpoint import CheckpointError, ModelState, verify_checkpoint_files
+from torchtitan.components.checkpoint import CheckpointError, ModelState
+from torchtitan.components.checkpoint_storage import reader_for, verify_checkpoint
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
 from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
@@ -41,9 +42,10 @@ def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:
         raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def load_dcp_model(model: nn.Module, path: Path) -> None:
-    verify_checkpoint_files(path)
-    dcp.load({"model": ModelState([model])}, checkpoint_id=str(path), no_dist=True)
+def load_dcp_model(model: nn.Module, location: str | Path) -> None:
+    """Model weights from a DCP checkpoint folder or URL."""
+    verify_checkpoint(str(location))
+    dcp.load({"model": ModelState([model])}, storage_reader=reader_for(str(location)), no_dist=True)
 
 
 def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:
@@ -51,9 +53,8 @@ def load_model(config_file: str, checkpoint: str | None = None, device: str = "c
     cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
     model, spec = build_model(cfg, device)
     if checkpoint is not None:
-        path = Path(checkpoint)
-        if is_hf_folder(path):
-            load_hf_weights(model, spec, path)
+        if is_hf_folder(Path(checkpoint)):
+            load_hf_weights(model, spec, Path(checkpoint))
         else:
-            load_dcp_model(model, path)
+            load_dcp_model(model, checkpoint)
     return model.eval()

@@ -1,6 +1,7 @@
 """The README's train command, as a user runs it."""
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -68,11 +69,23 @@ def test_a_mixture_of_text_and_shards_trains_and_logs_each_sources_tokens(tmp_pa
                       '[[data.sources]]\nname = "text"\ndataset = "pydocs"\nweight = 0.75\n'
                       f'[[data.sources]]\nname = "shards"\nkind = "tokens"\npath = "{shards}"\nweight = 0.25\n'
                       '[[data.stages]]\nstart_step = 3\nweights = [0, 1]\n')
-    result = run_module("torchtitan.train", "--job.config_file", str(config), "--training.steps", "4",
-                        "--metrics.log_freq", "1", f"--job.dump_folder={tmp_path / 'run'}")
+    args = ["--job.config_file", str(config), "--training.steps", "4", "--metrics.log_freq", "1",
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.last_save_model_only=false",
+            f"--job.dump_folder={tmp_path / 'run'}"]
+    result = run_module("torchtitan.train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     per_step = 4 * 64  # tiny.toml: 4 sequences of 64 tokens per step
     assert [(r["data/tokens/text"], r["data/tokens/shards"]) for r in rows] == [
         (3 * 64, 64), (6 * 64, 2 * 64), (6 * 64, 2 * 64 + per_step), (6 * 64, 2 * 64 + 2 * per_step)]
     assert all(r["data/epoch/text"] == 0 for r in rows)
+    # Resume at the stage boundary (checkpoint step 2; the stage starts at step 3): the same losses and counts.
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")
+    metrics.unlink()
+    resumed = run_module("torchtitan.train", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 2" in resumed.stdout + resumed.stderr
+    again = [json.loads(line) for line in metrics.read_text().splitlines()]
+    keys = ("step", "loss", "data/tokens/text", "data/tokens/shards")
+    assert [[r[k] for k in keys] for r in again] == [[r[k] for k in keys] for r in rows[2:]]

@@ -1,10 +1,12 @@
 """Distributed checkpoints: save, auto-resume, async writes, atomic completion, model-only exports.
 
-Layout under ``{job.dump_folder}/{checkpoint.folder}``:
+Layout under ``{job.dump_folder}/{checkpoint.folder}`` (or checkpoint.folder alone when it is an absolute path
+or a URL such as ``s3://bucket/run``; see checkpoint_storage.py for how completion is marked there):
 
     step-20/            a complete checkpoint (DCP: one .metadata file plus shard files)
     step-0/             a seed checkpoint (checkpoint.create_seed_checkpoint): the initial weights only
     step-30.partial/    a checkpoint being written; renamed to step-30/ only once every rank is done
+                        (under a URL: written as step-30/, complete once step-30/.complete exists)
     export-step-40/     model weights only, in checkpoint.export_dtype (beside step-40/, not instead of it):
                         DCP, or with checkpoint.last_save_in_hf a Hugging Face folder (config.json,
                         model.safetensors, tokenizer files) that transformers loads
@@ -14,9 +16,7 @@ position), so nothing of ours is pickled. DCP's own .metadata file is a pickle: 
 from sources you trust. Weights from elsewhere should come in as Hugging Face safetensors.
 """
 
-import os
-import re
-import shutil
+import json
 import time
 import warnings
 from concurrent.futures import Future
@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -41,14 +40,23 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.checkpoint_storage import (
+    CheckpointError,
+    checkpoint_location,
+    complete_steps,
+    open_storage,
+    reader_for,
+    verify_checkpoint,
+    writer_for,
+)
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.precision import DTYPES
 from torchtitan.hf_checkpoint import read_hf_model_state, write_hf_folder
 from torchtitan.log import logger
+from torchtitan.remote import RemoteError, fetched_folder, is_url, one_line, url_problem
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-PARTIAL_SUFFIX = ".partial"
-METADATA_FILE = ".metadata"
+__all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
+
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
 # A single process needs no process group to save or load; DCP warns about that every time.
@@ -68,7 +76,10 @@ def config_problems(cfg: CheckpointConfig, world_size: int, model_name: str,
     require("keep_latest_k", cfg.keep_latest_k >= 0, "is invalid; it must be >= 0 (0 keeps all)")
     unknown = [k for k in cfg.exclude_from_loading if k not in STATE_KEYS]
     require("exclude_from_loading", not unknown, f"names unknown state {unknown}; valid: {', '.join(STATE_KEYS)}")
-    if cfg.initial_load_path is not None:
+    for name, location in (("folder", cfg.folder), ("initial_load_path", cfg.initial_load_path)):
+        problem = url_problem(location) if is_url(location) else None
+        require(name, problem is None, str(problem))
+    if cfg.initial_load_path is not None and not is_url(cfg.initial_load_path):
         require("initial_load_path", Path(cfg.initial_load_path).is_dir(), "is not a folder")
         if cfg.initial_load_in_hf:
             require("initial_load_path", any(Path(cfg.initial_load_path).glob("*.safetensors")),
@@ -87,10 +98,6 @@ def config_problems(cfg: CheckpointConfig, world_size: int, model_name: str,
         require("last_save_in_hf", has_hf_adapter, f"is not supported by model.name = {model_name!r}: its "
                 "TrainSpec has no state_dict_adapter (no Hugging Face names)")
     return problems
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be read or written; the message names the path."""
 
 
 @dataclass
@@ -176,41 +183,45 @@ class LRSchedulerState(Stateful):
 
 
 class DataLoaderState(Stateful):
-    """The stream position, identical on every rank, stored as three ints."""
+    """The dataloader's state (stream position, counts), the same on every rank, as UTF-8 JSON in a uint8 tensor.
 
-    FIELDS = ("epoch", "document", "offset")
+    JSON because a mixture's position has an entry per source; ints and strings only, so nothing is pickled.
+    DCP loads into tensors of the stored size, so a load first sizes the destination from the metadata
+    (``prepare_load``). Checkpoints written before this format hold three ints under ``stream_position``.
+    """
+
+    KEY, BLOCK = "state_json", 1024
+    LEGACY_KEY, LEGACY_FIELDS = "stream_position", ("epoch", "document", "offset")
 
     def __init__(self, dataloader):
         self.dataloader = dataloader
+        self._stored: tuple[str, int] | None = None  # (key, length) of what the checkpoint being loaded holds
+
+    def prepare_load(self, metadata) -> None:
+        entries = metadata.state_dict_metadata
+        for key in (self.KEY, self.LEGACY_KEY):
+            if f"dataloader.{key}" in entries:
+                self._stored = key, int(entries[f"dataloader.{key}"].size[0])
+                return
+        raise CheckpointError(f"the checkpoint holds no dataloader state (expected dataloader.{self.KEY})")
 
     def state_dict(self) -> dict:
-        position = self.dataloader.state_dict()["stream_position"]
-        return {"stream_position": torch.tensor([position[f] for f in self.FIELDS], dtype=torch.int64)}
+        if self._stored is not None:  # a destination for loading
+            key, length = self._stored
+            return {key: torch.zeros(length, dtype=torch.uint8 if key == self.KEY else torch.int64)}
+        text = json.dumps(self.dataloader.state_dict(), sort_keys=True).encode()
+        # Padded (JSON allows trailing spaces) to whole blocks, so the size, and the async stager's buffer for
+        # it, rarely changes from one save to the next.
+        text = text.ljust(-(-len(text) // self.BLOCK) * self.BLOCK)
+        return {self.KEY: torch.frombuffer(bytearray(text), dtype=torch.uint8)}
 
     def load_state_dict(self, state: dict) -> None:
-        values = state["stream_position"].tolist()
-        self.dataloader.load_state_dict({"stream_position": dict(zip(self.FIELDS, values))})
-
-
-def verify_checkpoint_files(path: Path) -> None:
-    """Check that every shard the metadata names exists and is long enough; name the first bad file."""
-    metadata = path / METADATA_FILE
-    if not metadata.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {METADATA_FILE} is missing")
-    try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint metadata {metadata}: {type(e).__name__}: {e}") from None
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        if file.stat().st_size < size:
-            raise CheckpointError(f"checkpoint file {file} is truncated: {file.stat().st_size} bytes, "
-                                  f"the metadata expects at least {size}")
+        self._stored = None
+        if self.LEGACY_KEY in state:
+            values = state[self.LEGACY_KEY].tolist()
+            self.dataloader.load_state_dict({"stream_position": dict(zip(self.LEGACY_FIELDS, values))})
+        else:
+            self.dataloader.load_state_dict(json.loads(bytes(state[self.KEY].tolist()).decode()))
 
 
 def _first_failure(error: BaseException) -> str:
@@ -218,20 +229,7 @@ def _first_failure(error: BaseException) -> str:
     if failures:
         error = next(iter(failures.values()))
         error = error[0] if isinstance(error, tuple) else error
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint (renamed from .partial, metadata present), ascending."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for child in folder.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and (child / METADATA_FILE).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return one_line(error)
 
 
 class CheckpointManager:
@@ -246,7 +244,9 @@ class CheckpointManager:
         self.cfg = cfg
         self.state_dict_adapter = state_dict_adapter
         self.tokenizer, self.hf_assets_path, self.pp_mesh = tokenizer, hf_assets_path, pp_mesh
-        self.folder = Path(dump_folder) / cfg.folder
+        self.storage = open_storage(checkpoint_location(dump_folder, cfg.folder))
+        if cfg.enable:
+            self.storage.check_reachable()  # a wrong URL or missing credentials fail before training
         self.model_parts = model_parts
         self.states = {
             "model": ModelState(model_parts),
@@ -267,7 +267,7 @@ class CheckpointManager:
         self.stager = None
         if cfg.enable and self.async_mode != "disabled":
             self.stager = _ReusedBufferStager(pin_memory=self.async_mode == "async_with_pinned_mem")
-        self.in_flight: tuple[int, Future, Path] | None = None
+        self.in_flight: tuple[int, Future] | None = None
 
     # ----- loading -----
 
@@ -278,83 +278,89 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return None
-        self._remove_partial_saves()
-        steps = complete_steps(self.folder)
+        self._remove_incomplete_saves()
+        steps = self.storage.steps()
         if self.cfg.load_step != -1:
             if self.cfg.load_step not in steps:
                 raise CheckpointError(f"checkpoint.load_step = {self.cfg.load_step}: no complete checkpoint "
-                                      f"{self.folder}/step-{self.cfg.load_step}; available steps: {steps or 'none'}")
+                                      f"{self.storage.where(f'step-{self.cfg.load_step}')}; available steps: "
+                                      f"{steps or 'none'}")
             step = self.cfg.load_step
         elif steps:
             step = steps[-1]
         elif self.cfg.initial_load_path:
-            self._load_initial(Path(self.cfg.initial_load_path))
+            self._load_initial(self.cfg.initial_load_path)
             return None
         else:
             return None
-        path = self.folder / f"step-{step}"
         # A seed checkpoint holds the model only: the optimizer, schedule and data start fresh.
         seed = step == SEED_STEP
         keys = [k for k in (["model"] if seed else STATE_KEYS) if k not in self.cfg.exclude_from_loading]
-        self._load(path, keys)
-        logger.info(f"resumed from step {step}: {path}" + (" (a seed checkpoint: the model only)" if seed else ""))
+        self._load(self.storage.where(f"step-{step}"), keys)
+        logger.info(f"resumed from step {step}: {self.storage.where(f'step-{step}')}"
+                    + (" (a seed checkpoint: the model only)" if seed else ""))
         return step
 
-    def _load_initial(self, path: Path) -> None:
+    def _load_initial(self, location: str) -> None:
         if self.cfg.initial_load_in_hf:
-            self._load_hf(path)
+            self._load_hf(location)
             return
         keys = ["model"] if self.cfg.initial_load_model_only else list(STATE_KEYS)
-        self._load(path, keys)
-        logger.info(f"initialised {'the model' if keys == ['model'] else 'the run'} from {path}")
+        self._load(location, keys)
+        logger.info(f"initialised {'the model' if keys == ['model'] else 'the run'} from {location}")
 
-    def _load_hf(self, path: Path) -> None:
-        """Model weights from a Hugging Face folder; every rank reads the files and keeps its shards."""
+    def _load_hf(self, location: str) -> None:
+        """Model weights from a Hugging Face folder (local, or a URL fetched to a temporary folder first); every
+        rank reads the files and keeps its shards."""
         if self.state_dict_adapter is None:
-            raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({path})")
-        state = read_hf_model_state(path, self.state_dict_adapter)
+            raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({location})")
+        try:
+            with fetched_folder(location, "*.safetensors") as path:
+                state = read_hf_model_state(path, self.state_dict_adapter)
+        except RemoteError as e:
+            raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
         options = StateDictOptions(full_state_dict=True, strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=options)
-        logger.info(f"initialised the model from Hugging Face weights in {path}")
+        logger.info(f"initialised the model from Hugging Face weights in {location}")
 
-    def _load(self, path: Path, keys: list[str]) -> None:
-        verify_checkpoint_files(path)
+    def _load(self, where: str, keys: list[str]) -> None:
+        metadata = verify_checkpoint(where)
+        if "dataloader" in keys:
+            self.states["dataloader"].prepare_load(metadata)
         state = {k: self.states[k] for k in keys}
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=self.no_dist)
+            dcp.load(state, storage_reader=reader_for(where), no_dist=self.no_dist)
         except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-            raise CheckpointError(f"cannot load checkpoint {path}: {_first_failure(e)}") from None
+            raise CheckpointError(f"cannot load checkpoint {where}: {_first_failure(e)}") from None
 
-    def _remove_partial_saves(self) -> None:
+    def _remove_incomplete_saves(self) -> None:
         """Drop what a run killed mid-save left behind; complete checkpoints are untouched."""
-        if self.rank == 0 and self.folder.is_dir():
-            for child in self.folder.iterdir():
-                if child.name.endswith(PARTIAL_SUFFIX):
-                    shutil.rmtree(child, ignore_errors=True)
+        if self.rank == 0:
+            self.storage.remove_incomplete()
         if dist.is_initialized():
             dist.barrier()
 
     # ----- saving -----
 
-    def create_seed_checkpoint(self) -> Path:
+    def create_seed_checkpoint(self) -> str:
         """Write the model's current (initial) weights as step-0, model only, for later runs to start from.
 
         A single process writes it (validation makes sure), so every later layout starts from the same
         weights. Refuses a folder that already holds checkpoints: a seed starts a new run.
         """
-        existing = complete_steps(self.folder)
+        existing = self.storage.steps()
         if existing:
-            raise CheckpointError(f"checkpoint.create_seed_checkpoint: {self.folder} already holds checkpoints "
-                                  f"(steps {existing}); a seed starts a new run, use an empty job.dump_folder")
-        final = self.folder / f"step-{SEED_STEP}"
-        partial = self.folder / f"step-{SEED_STEP}{PARTIAL_SUFFIX}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        dcp.save({"model": self.states["model"]}, checkpoint_id=str(partial), no_dist=self.no_dist)
-        self._finish(SEED_STEP, partial, final)
-        logger.info(f"seed checkpoint written to {final}: the initial model weights, model only")
-        return final
+            raise CheckpointError(f"checkpoint.create_seed_checkpoint: {self.storage.location} already holds "
+                                  f"checkpoints (steps {existing}); a seed starts a new run, use an empty "
+                                  "job.dump_folder")
+        name = f"step-{SEED_STEP}"
+        self.storage.begin(name)
+        dcp.save({"model": self.states["model"]}, storage_writer=writer_for(self.storage.target(name)),
+                 no_dist=self.no_dist)
+        self._finish(SEED_STEP)
+        logger.info(f"seed checkpoint written to {self.storage.where(name)}: the initial model weights, model only")
+        return self.storage.where(name)
 
     def should_save(self, step: int, last_step: int) -> bool:
         if not self.cfg.enable or self.cfg.load_only:
@@ -367,24 +373,24 @@ class CheckpointManager:
         """Write step-N (in the background with async_mode), then an export at the last step."""
         self.poll()
         self.wait()  # at most one save in flight
-        final = self.folder / f"step-{step}"
-        partial = self.folder / f"step-{step}{PARTIAL_SUFFIX}"
+        name = f"step-{step}"
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True, exist_ok=True)
+            self.storage.begin(name)
         if dist.is_initialized():
             dist.barrier()
         state = dict(self.states)
         start = time.perf_counter()
+        writer = writer_for(self.storage.target(name))
         if self.async_mode == "disabled":
-            dcp.save(state, checkpoint_id=str(partial), process_group=self.save_group, no_dist=self.no_dist)
-            self._finish(step, partial, final)
-            logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.2f}s")
+            dcp.save(state, storage_writer=writer, process_group=self.save_group, no_dist=self.no_dist)
+            self._finish(step)
+            logger.info(f"saved checkpoint {self.storage.where(name)} in {time.perf_counter() - start:.2f}s")
         else:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_group,
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.save_group,
                                     async_stager=self.stager, no_dist=self.no_dist)
-            self.in_flight = (step, future, partial)
-            logger.info(f"checkpoint step-{step} staged in {time.perf_counter() - start:.2f}s; writing in the background")
+            self.in_flight = (step, future)
+            logger.info(f"checkpoint step-{step} staged in {time.perf_counter() - start:.2f}s; "
+                        "writing in the background")
         if step == last_step and self.cfg.last_save_model_only:
             self.wait()
             self.export_model(step)
@@ -398,69 +404,71 @@ class CheckpointManager:
         """Block until the background save (if any) is written and made the latest checkpoint."""
         if self.in_flight is None:
             return
-        step, future, partial = self.in_flight
+        step, future = self.in_flight
         self.in_flight = None
         try:
             future.result()
         except Exception as e:
-            raise CheckpointError(f"background save of {partial} failed: {type(e).__name__}: {e}") from e
-        self._finish(step, partial, self.folder / f"step-{step}")
+            raise CheckpointError(f"background save of {self.storage.where(f'step-{step}')} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        self._finish(step)
 
-    def _finish(self, step: int, partial: Path, final: Path) -> None:
+    def _finish(self, step: int) -> None:
         # DCP's save ends with a collective finish in which rank 0 gathers every rank's write results
-        # and then writes the metadata; once rank 0's save has returned, every shard is on disk. Only
-        # then does the checkpoint become visible under its final name (and older ones may go).
+        # and then writes the metadata; once rank 0's save has returned, every shard is written. Only
+        # then is the checkpoint made complete (renamed, or marked), and may older ones go.
         if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
-            _fsync_dir(self.folder)
+            self.storage.commit(f"step-{step}")
             self._prune()
-        logger.info(f"checkpoint step-{step} complete: {final}")
+        logger.info(f"checkpoint step-{step} complete: {self.storage.where(f'step-{step}')}")
 
     def _prune(self) -> None:
         """Keep the newest keep_latest_k complete checkpoints; older ones go only after a newer one is complete."""
         if self.cfg.keep_latest_k <= 0:
             return
-        for step in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
-            shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+        for step in self.storage.steps()[: -self.cfg.keep_latest_k]:
+            self.storage.delete(f"step-{step}")
 
-    def export_model(self, step: int) -> Path:
+    def export_model(self, step: int) -> str:
         """Model weights only, in export_dtype, beside the full checkpoint of the same step (DCP, or a
         Hugging Face folder with last_save_in_hf)."""
         if self.cfg.last_save_in_hf:
             return self.export_hf(step)
         dtype = DTYPES[self.cfg.export_dtype]
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.states["model"].state_dict().items()}
-        final = self.folder / f"export-step-{step}"
-        partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
-        dcp.save({"model": state}, checkpoint_id=str(partial), process_group=self.save_group, no_dist=self.no_dist)
+        name = f"export-step-{step}"
         if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
-        logger.info(f"exported model weights ({self.cfg.export_dtype}) to {final}")
-        return final
+            self.storage.begin(name)
+        if dist.is_initialized():
+            dist.barrier(group=self.save_group)
+        writer = writer_for(self.storage.target(name))
+        dcp.save({"model": state}, storage_writer=writer, process_group=self.save_group, no_dist=self.no_dist)
+        if self.rank == 0:
+            self.storage.commit(name)
+        logger.info(f"exported model weights ({self.cfg.export_dtype}) to {self.storage.where(name)}")
+        return self.storage.where(name)
 
-    def export_hf(self, step: int) -> Path:
+    def export_hf(self, step: int) -> str:
         """The model as a Hugging Face folder ``export-step-N/``, written by rank 0 from the gathered weights."""
         if self.state_dict_adapter is None or self.tokenizer is None or self.hf_assets_path is None:
             raise CheckpointError("checkpoint.last_save_in_hf: this model has no Hugging Face adapter or tokenizer")
         state = self.full_model_state()
-        final = self.folder / f"export-step-{step}"
-        partial = self.folder / f"export-step-{step}{PARTIAL_SUFFIX}"
+        name = f"export-step-{step}"
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            def write(folder: Path) -> int:
+                return write_hf_folder(folder, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
+                                       self.cfg.export_dtype)
+
             try:
-                count = write_hf_folder(partial, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
-                                        self.cfg.export_dtype)
+                count = self.storage.write_folder(name, write)
             except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
-                raise CheckpointError(f"cannot export {final} as a Hugging Face folder: {e}") from None
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
+                raise CheckpointError(f"cannot export {self.storage.where(name)} as a Hugging Face folder: {e}") \
+                    from None
             logger.info(f"exported the model as a Hugging Face folder ({count} tensors, {self.cfg.export_dtype}) "
-                        f"to {final}")
+                        f"to {self.storage.where(name)}")
         if dist.is_initialized():
             dist.barrier(group=self.save_group)  # the folder is complete once any rank returns
-        return final
+        return self.storage.where(name)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """Every weight of the model, unsharded, on rank 0's CPU; an empty dict on the other ranks.
@@ -511,14 +519,10 @@ class _ReusedBufferStager(BlockingAsyncStager):
         self.pin_memory = pin_memory
 
     def stage(self, state_dict: dict) -> dict:
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory)
+        if self.state_dict_cache is not None:
+            try:
+                return _copy_state_dict(state_dict, self.state_dict_cache)
+            except RuntimeError:  # a tensor changed size (e.g. the dataloader state's blocks): buffers anew
+                self.state_dict_cache = None
+        self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self.pin_memory)
         return _copy_state_dict(state_dict, self.state_dict_cache)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

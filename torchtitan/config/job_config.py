@@ -23,7 +23,7 @@ def section(cls: type, doc: str) -> Any:
 @dataclass
 class Job:
     config_file: str | None = option(None, "TOML file to read; CLI flags override it")
-    dump_folder: str = option("./outputs", "Folder for metrics, the resolved config, traces and checkpoints")
+    dump_folder: str = option("./outputs", "Local folder for metrics, the resolved config, traces and checkpoints")
     description: str = option("", "Free-text description of the run")
     print_config: bool = option(False, "Print the resolved config at start")
     save_config_file: str = option("config.toml", "File name (in dump_folder) the resolved config is saved to")
@@ -115,7 +115,8 @@ class Chat:
 class DataSource:
     name: str = option("", "Name of the source in metrics (data/tokens/NAME)")
     kind: Literal["text", "tokens"] = option("text", "text: documents tokenized on the fly; tokens: a shard folder")
-    path: str | None = option(None, "Local file/folder (text) or shard folder (tokens); text without it: dataset")
+    path: str | None = option(None, "File/folder (text) or shard folder (tokens), local or a URL; text without it: "
+                                    "dataset")
     dataset: str = option("pydocs", "Registered text dataset, read when path is unset")
     weight: float = option(1.0, "Share of the sequences (weights are normalised over the sources)")
 
@@ -148,7 +149,8 @@ class Training:
         False, "tokens format: read the documents in a permutation drawn per pass from debug.seed (else stored order)"
     )
     dataset_path: str | None = option(
-        None, "Local json/jsonl/parquet/arrow/txt file or folder; used instead of training.dataset when set"
+        None, "json/jsonl/parquet/arrow/txt file or folder, local or a URL (s3://...); used instead of "
+              "training.dataset when set"
     )
     dataset_text_column: str = option("text", "Column holding the text in training.dataset_path files")
     local_batch_size: int = option(8, "Sequences per micro-batch on each data-parallel rank")
@@ -221,9 +223,10 @@ class MoE:
 @dataclass
 class Checkpoint:
     enable: bool = option(False, "Save and load checkpoints")
-    folder: str = option("checkpoint", "Checkpoint folder, relative to dump_folder")
+    folder: str = option("checkpoint", "Checkpoint folder, relative to dump_folder; an absolute path or a URL "
+                         "(s3://, gs://, file://, ...) is used as is")
     interval: int = option(500, "Save every this many steps")
-    initial_load_path: str | None = option(None, "Checkpoint to start from when the run has none")
+    initial_load_path: str | None = option(None, "Checkpoint (folder or URL) to start from when the run has none")
     initial_load_model_only: bool = option(True, "Load only model weights from initial_load_path")
     initial_load_in_hf: bool = option(False, "initial_load_path holds HF safetensors")
     last_save_model_only: bool = option(True, "At the last step also export the model weights only, to "
@@ -296,7 +299,8 @@ class Validation:
         "or tokens (dataset_path: a folder of pre-tokenized shards)"
     )
     dataset_path: str | None = option(
-        None, "Local validation file or folder (all of it is held out); used instead of validation.dataset when set"
+        None, "Validation file or folder, local or a URL (all of it is held out); used instead of "
+              "validation.dataset when set"
     )
     dataset_text_column: str = option("text", "Column holding the text in validation.dataset_path files")
     local_batch_size: int = option(8, "Validation sequences per rank per step")

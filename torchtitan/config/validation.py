@@ -190,6 +190,11 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 
     has_adapter = get_train_spec(c.cfg.model.name).state_dict_adapter is not None
     c.report("checkpoint", config_problems(c.cfg.checkpoint, world_size, c.cfg.model.name, has_adapter))
+    from torchtitan.remote import is_url
+
+    c.require("job.dump_folder", not is_url(c.cfg.job.dump_folder), "is a URL, but metrics, TensorBoard, traces "
+              "and the config copy are written to local files; keep it local and set checkpoint.folder to a URL "
+              "to keep checkpoints in remote storage")
 
 
 def _check_unsupported(c: _Checker) -> None:

@@ -154,6 +154,7 @@ def config_problems(data, training) -> list[tuple[str, str]]:
     if not data.sources:
         return [("stages", "needs [[data.sources]]")] if data.stages else []
     from torchtitan.data.shards import is_shard_folder
+    from torchtitan.remote import is_url
 
     if training.dataset_path is not None or training.dataset_format != "text":
         return [("sources", "replace training.dataset: leave training.dataset_path unset and dataset_format 'text'")]
@@ -162,14 +163,15 @@ def config_problems(data, training) -> list[tuple[str, str]]:
         if not 0 < source.weight < float("inf"):
             return [(where, f"weight {source.weight} must be > 0 and finite (a stage may set 0 to leave the "
                             "source out)")]
-        if source.kind == "tokens" and (source.path is None or not is_shard_folder(source.path)):
+        if source.kind == "tokens" and (source.path is None or not (is_url(source.path) or
+                                                                    is_shard_folder(source.path))):
             return [(where, f"path {source.path!r} is not a shard folder (manifest.json from "
                             "scripts/tokenize_dataset.py), which kind 'tokens' reads")]
-        if source.kind == "text":
-            from torchtitan.data.sources import source_problems
+        from torchtitan.data.sources import source_problems
 
-            for field_name, reason in source_problems(source.dataset, source.path, "train"):
-                return [(where, f"{field_name.replace('dataset_path', 'path')}: {reason}")]
+        format = "tokens" if source.kind == "tokens" else "text"
+        for field_name, reason in source_problems(source.dataset, source.path, "train", format):
+            return [(where, f"{field_name.replace('dataset_path', 'path')}: {reason}")]
     names = [source.name for source in data.sources if source.name]
     if len(set(names)) != len(names):
         return [("sources", f"names {names} repeat; each source needs its own (they name its metrics)")]

@@ -10,6 +10,10 @@ Writing is deterministic (documents in source order, shards cut at fixed token c
 same input and tokenizer give byte-identical files. The manifest records the tokenizer file's SHA-256, and
 reading refuses shards made with another tokenizer, as well as missing or truncated files.
 
+Shards at a URL (``s3://bucket/corpus``, ``file://``, ...): memory-mapping needs local files, so the folder is
+first copied into the cache folder ($TORCHTITAN_CACHE_DIR/shards/, see cache.py), once per machine (a file lock
+makes the other processes wait), and copied again only when the remote manifest changes.
+
 Order: documents are read in stored order, or, with ``shuffle_seed``, in a permutation drawn per pass over
 the data from (seed, pass): windows are then cut from the shuffled document stream as usual, so resuming and
 the layout independence of the packed stream are unchanged.
@@ -26,8 +30,10 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from torchtitan.cache import cache_dir, locked
 from torchtitan.data.errors import DataError
 from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.remote import filesystem, is_url, join, one_line
 
 FORMAT = "torchtitan-tokens"
 VERSION = 1
@@ -114,6 +120,41 @@ def is_shard_folder(path: str | os.PathLike) -> bool:
     return (pathlib.Path(path) / MANIFEST).is_file()
 
 
+def fetch_shards(url: str) -> pathlib.Path:
+    """A local copy of the shard folder at ``url`` in the cache folder (see the module doc)."""
+    try:
+        fs, root = filesystem(url)
+        manifest = fs.cat_file(join(root, MANIFEST))
+    except Exception as e:  # unreachable, no credentials, no such folder
+        raise DataError(f"{join(url, MANIFEST)}: cannot read the shard manifest: {one_line(e)}") from None
+    try:
+        shards = json.loads(manifest)["shards"]
+        itemsize = np.dtype(json.loads(manifest)["dtype"]).itemsize
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{join(url, MANIFEST)}: not a {FORMAT} manifest: {one_line(e)}") from None
+    local = cache_dir() / "shards" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    with locked(local.with_suffix(".lock")):
+        if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest:
+            return local
+        shutil.rmtree(local, ignore_errors=True)  # another version of the data, or an interrupted copy
+        local.mkdir(parents=True)
+        for shard in shards:
+            for key, size in (("tokens", shard["num_tokens"] * itemsize), ("index", (shard["num_documents"] + 1) * 8)):
+                remote, target = join(url, shard[key]), local / shard[key]
+                try:
+                    fs.get_file(join(root, shard[key]), str(target))
+                except Exception as e:
+                    raise DataError(f"{remote}: cannot fetch it (the manifest lists it): {one_line(e)}") from None
+                if target.stat().st_size != size:
+                    raise DataError(f"{remote}: {target.stat().st_size} bytes, but the manifest says {size} "
+                                    "(truncated or overwritten); tokenize the data again")
+        # The manifest last: a copy counts only once every file it lists is in place.
+        tmp = local / f"{MANIFEST}.tmp"
+        tmp.write_bytes(manifest)
+        os.replace(tmp, local / MANIFEST)
+    return local
+
+
 class TokenShards:
     """The documents of a shard folder as token-id arrays (memory-mapped views), re-iterable in a fixed order.
 
@@ -122,7 +163,7 @@ class TokenShards:
     """
 
     def __init__(self, path: str | os.PathLike, tokenizer: Tokenizer | None = None, shuffle_seed: int | None = None):
-        self.folder = pathlib.Path(path)
+        self.folder = fetch_shards(str(path)) if is_url(str(path)) else pathlib.Path(path)
         manifest_path = self.folder / MANIFEST
         try:
             self.manifest = json.loads(manifest_path.read_text())

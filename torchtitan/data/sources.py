@@ -1,9 +1,11 @@
-"""Where documents come from: registered datasets (pydocs, HF hub datasets) and local files.
+"""Where documents come from: registered datasets (pydocs, HF hub datasets) and files, local or at a URL.
 
 A document source is a re-iterable in a fixed order of strings (text datasets) or of conversations, each
 a list of {"role", "content"} messages (chat datasets, see data/chat.py). Hub datasets and local files
 (``training.dataset_path``) are read by the same code, ``datasets.load_dataset(..., streaming=True)``,
-so the local-file tests exercise the path that streams from the hub on a connected machine.
+so the local-file tests exercise the path that streams from the hub on a connected machine. A
+``dataset_path`` may be a URL (``s3://bucket/corpus/``, ``hf://datasets/...``, ``file://``): its files are
+listed and streamed through fsspec by the same reader.
 
 Bad data raises `DataError` with one line naming the file (or hub dataset) and the row, counted from 0.
 """
@@ -21,6 +23,7 @@ from torchtitan.data.chat import load_pydocs_chat
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.registry import Registry
+from torchtitan.remote import filesystem, is_url, one_line, url_problem
 
 DocumentLoader = Callable[[str], Iterable]
 
@@ -49,11 +52,6 @@ def register_dataset(name: str, loader_fn: DocumentLoader, format: str = "text")
 def registered_datasets() -> list[str]:
     """Return the names of the registered datasets, sorted."""
     return DATASETS.names()
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _quiet_datasets_errors() -> None:
@@ -91,12 +89,17 @@ def _stream_texts(
         raise
     except Exception as e:  # whatever the reader raises, the user needs the file and row
         bad_row = locate_bad_row()
-        raise DataError(f"{where}: row {row if bad_row is None else bad_row}: cannot read: {_one_line(e)}") from None
+        raise DataError(f"{where}: row {row if bad_row is None else bad_row}: cannot read: {one_line(e)}") from None
 
 
-def _first_bad_json_line(path: pathlib.Path) -> int | None:
+def _first_bad_json_line(path: str) -> int | None:
     """Index of the first line of a JSON-lines file that is not a JSON object (readers report blocks, not lines)."""
-    opener = gzip.open if path.suffix == ".gz" else open
+    if is_url(path):
+        import fsspec
+
+        opener = lambda p, mode: fsspec.open(p, mode, compression="infer")  # noqa: E731
+    else:
+        opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             for index, line in enumerate(f):
@@ -110,17 +113,46 @@ def _first_bad_json_line(path: pathlib.Path) -> int | None:
     return None
 
 
-def _data_suffix(path: pathlib.Path) -> str | None:
+def _data_suffix(path: pathlib.PurePath) -> str | None:
     suffixes = path.suffixes[-2:]
     if suffixes and suffixes[-1] == ".gz":
         return suffixes[0] if len(suffixes) == 2 and suffixes[0] in _COMPRESSIBLE else None
     return path.suffix if path.suffix in FILE_BUILDERS else None
 
 
-def data_files(path: str | pathlib.Path) -> list[pathlib.Path]:
-    """The data files of a dataset_path: the file itself, or a folder's files of known types in sorted order."""
+_VALID_FILES = ", ".join([*FILE_BUILDERS, *(s + ".gz" for s in _COMPRESSIBLE)])
+
+
+def _url_data_files(url: str) -> list[str]:
+    """data_files for a URL: the object itself, or the known-type files under it in sorted order."""
+    try:
+        fs, root = filesystem(url)
+        single = fs.info(root)["type"] == "file"
+        found = [root] if single else fs.find(root)
+    except FileNotFoundError:
+        raise DataError(f"dataset_path {url!r} does not exist") from None
+    except Exception as e:  # unreachable, no credentials, unknown protocol
+        raise DataError(f"dataset_path {url!r}: cannot reach it: {one_line(e)}") from None
+    if single:
+        if _data_suffix(pathlib.PurePosixPath(root)) is None:
+            raise DataError(f"dataset_path {url!r} has an unsupported file type; valid: {_VALID_FILES}")
+        return [url]
+    relative = [pathlib.PurePosixPath(p).relative_to(root.rstrip("/")) for p in found]
+    files = sorted(r.parts for r in relative if _data_suffix(r) is not None
+                   and not any(part.startswith(".") for part in r.parts))
+    if not files:
+        raise DataError(f"dataset_path {url!r} holds no data files; valid types: {_VALID_FILES}")
+    base = url.rstrip("/")
+    return [f"{base}/{'/'.join(parts)}" for parts in files]
+
+
+def data_files(path: str | pathlib.Path) -> list[pathlib.Path] | list[str]:
+    """The data files of a dataset_path: the file itself, or a folder's files of known types in sorted order
+    (URLs for a URL)."""
+    if is_url(str(path)):
+        return _url_data_files(str(path))
     root = pathlib.Path(path)
-    valid = ", ".join([*FILE_BUILDERS, *(s + ".gz" for s in _COMPRESSIBLE)])
+    valid = _VALID_FILES
     if root.is_file():
         if _data_suffix(root) is None:
             raise DataError(f"dataset_path {str(root)!r} has an unsupported file type; valid: {valid}")
@@ -150,13 +182,13 @@ class LocalFiles:
         import datasets
 
         for path in self.files:
-            suffix = _data_suffix(path)
+            suffix = _data_suffix(pathlib.PurePosixPath(str(path)))
 
             def open_file(path=path, builder=FILE_BUILDERS[suffix]):
                 return datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
 
             def locate(path=path, suffix=suffix):
-                return _first_bad_json_line(path) if suffix == ".jsonl" else None
+                return _first_bad_json_line(str(path)) if suffix == ".jsonl" else None
 
             yield from _stream_texts(open_file, str(path), self.text_column, locate, self.format)
 
@@ -179,7 +211,7 @@ class HubDocuments:
             dataset = datasets.load_dataset(self.path, self.config, split=self.split, streaming=True)
         except Exception as e:  # offline, unknown repo, gated without a token, ...
             raise DataError(
-                f"{where}: cannot open: {_one_line(e)}; check the network and HF_TOKEN, "
+                f"{where}: cannot open: {one_line(e)}; check the network and HF_TOKEN, "
                 f"or set training.dataset_path to a local copy"
             ) from None
         yield from _stream_texts(lambda: dataset, where, self.text_column, lambda: None, self.format)
@@ -224,11 +256,17 @@ def source_problems(dataset: str, dataset_path: str | None, split: str,
         if dataset_path is None:
             return [("dataset_path", "is required by dataset_format 'tokens': a folder made by "
                                      "scripts/tokenize_dataset.py")]
+        if is_url(dataset_path):
+            problem = url_problem(dataset_path)
+            return [] if problem is None else [("dataset_path", problem)]
         if not (pathlib.Path(dataset_path) / "manifest.json").is_file():
             return [("dataset_path", "holds no manifest.json: not a folder made by scripts/tokenize_dataset.py "
                                      "(dataset_format 'tokens')")]
         return []
     if dataset_path is not None:
+        if is_url(dataset_path):  # reached when the data is opened, before training
+            problem = url_problem(dataset_path)
+            return [] if problem is None else [("dataset_path", problem)]
         return [] if pathlib.Path(dataset_path).exists() else [("dataset_path", "does not exist")]
     if dataset not in DATASETS:
         return [("dataset", f"is not a registered dataset; valid: {', '.join(registered_datasets())}")]

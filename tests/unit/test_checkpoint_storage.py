@@ -1,0 +1,156 @@
+"""Checkpoint storage: local folders and URLs, what counts as complete, and the dataloader state's format."""
+
+import json
+import uuid
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.integration.remote_trainer import register
+from torchtitan.components.checkpoint import DataLoaderState, config_problems
+from torchtitan.components.checkpoint_storage import (
+    CheckpointError,
+    checkpoint_location,
+    open_storage,
+    verify_checkpoint,
+    writer_for,
+)
+from torchtitan.config.job_config import Checkpoint
+from torchtitan.config.loading import ConfigError
+from torchtitan.config.validation import load_and_validate
+
+
+@pytest.fixture
+def url():
+    return f"memory://tests/{uuid.uuid4().hex}"
+
+
+def save(storage, name: str, value: torch.Tensor) -> None:
+    storage.begin(name)
+    dcp.save({"w": value}, storage_writer=writer_for(storage.target(name)), no_dist=True)
+
+
+def test_a_url_step_counts_only_once_its_marker_is_written_and_deletion_drops_the_marker_first(url):
+    storage = open_storage(url)
+    storage.check_reachable()
+    save(storage, "step-2", torch.randn(5))
+    assert storage.steps() == []  # written, not yet marked
+    storage.commit("step-2")
+    save(storage, "step-4", torch.randn(5))
+    assert storage.steps() == [2]
+    verify_checkpoint(storage.where("step-2"))
+    storage.remove_incomplete()  # the unmarked step-4 goes, step-2 stays
+    fs = fsspec.filesystem("memory")
+    assert fs.ls(url.removeprefix("memory:/"), detail=False) == [f"{url.removeprefix('memory:/')}/step-2"]
+    calls = []
+    real_rm = fs.rm
+    fs.rm = lambda path, **kw: (calls.append(path.rsplit("/", 1)[-1]), real_rm(path, **kw))[1]
+    try:
+        storage.delete("step-2")
+    finally:
+        del fs.rm
+    assert calls == [".complete", "step-2"] and storage.steps() == []
+
+
+def test_a_url_checkpoint_missing_a_file_is_refused_naming_it(url):
+    storage = open_storage(url)
+    save(storage, "step-1", torch.randn(3))
+    storage.commit("step-1")
+    fsspec.filesystem("memory").rm(f"{url.removeprefix('memory:/')}/step-1/__0_0.distcp")
+    with pytest.raises(CheckpointError, match=f"^checkpoint file {url}/step-1/__0_0.distcp is missing$"):
+        verify_checkpoint(storage.where("step-1"))
+
+
+def test_a_local_folder_completes_by_rename_and_never_by_marker(tmp_path):
+    storage = open_storage(str(tmp_path / "ck"))
+    save(storage, "step-3", torch.randn(2))
+    assert storage.steps() == [] and (tmp_path / "ck" / "step-3.partial").is_dir()
+    storage.commit("step-3")
+    assert storage.steps() == [3] and not (tmp_path / "ck" / "step-3" / ".complete").exists()
+
+
+def test_an_absolute_folder_or_url_wins_over_the_dump_folder():
+    assert checkpoint_location("out", "checkpoint") == "out/checkpoint"
+    assert checkpoint_location("out", "/abs/ck") == "/abs/ck"
+    assert checkpoint_location("out", "s3://bucket/run") == "s3://bucket/run"
+
+
+def test_url_problems_are_config_errors_naming_the_field(tmp_path):
+    problems = config_problems(Checkpoint(folder="nosuch://b/run", initial_load_path="nosuch://b/init"), 1,
+                               "llama3", True)
+    assert problems == [
+        ("folder", "has the unknown protocol 'nosuch' (no fsspec implementation is registered for it)"),
+        ("initial_load_path", "has the unknown protocol 'nosuch' (no fsspec implementation is registered for it)")]
+    missing = config_problems(Checkpoint(folder="s3://bucket/run"), 1, "llama3", True)
+    assert [field for field, _ in missing] == ["folder"] and "needs a package for s3://" in missing[0][1]
+    with pytest.raises(ConfigError, match="job.dump_folder .* is a URL, but metrics, TensorBoard"):
+        load_and_validate(["--job.config_file", "train_configs/tiny.toml", "--job.dump_folder", "memory://out"])
+
+
+class FakeLoader:
+    def __init__(self, state=None):
+        self.state, self.loaded = state, None
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_the_dataloader_state_round_trips_any_json_state_through_dcp(tmp_path):
+    """A mixture's position (a list per source) and counts survive a save/load, into a fresh destination."""
+    state = {"stream_position": {"sequence": 17, "stage_counts": [3, 2], "names": ["web", "code"],
+                                 "sources": [{"epoch": 0, "document": 5, "offset": 9}] * 2},
+             "counts": {"tokens/web": 1024, "tokens/code": 512}}
+    dcp.save({"dataloader": DataLoaderState(FakeLoader(state))}, checkpoint_id=str(tmp_path), no_dist=True)
+    target = DataLoaderState(FakeLoader())
+    target.prepare_load(verify_checkpoint(str(tmp_path)))
+    dcp.load({"dataloader": target}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert target.dataloader.loaded == json.loads(json.dumps(state))
+
+
+def test_a_checkpoint_with_the_earlier_three_int_position_still_loads(tmp_path):
+    legacy = {"stream_position": torch.tensor([1, 42, 7], dtype=torch.int64)}
+    dcp.save({"dataloader": legacy}, checkpoint_id=str(tmp_path), no_dist=True)
+    target = DataLoaderState(FakeLoader())
+    target.prepare_load(verify_checkpoint(str(tmp_path)))
+    dcp.load({"dataloader": target}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert target.dataloader.loaded == {"stream_position": {"epoch": 1, "document": 42, "offset": 7}}
+
+
+def test_the_test_object_store_refuses_folder_renames(tmp_path, monkeypatch):
+    """The stand-in the multi-process tests use behaves like an object store where it matters."""
+    monkeypatch.setenv("OBJSTORE_ROOT", str(tmp_path))
+    register()
+    fs, path = fsspec.core.url_to_fs("objstore://bucket/a")
+    fs.makedirs(path, exist_ok=True)
+    with pytest.raises(OSError, match="object stores have no rename"):
+        fs.mv(path, path + "-moved")
+
+
+def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url):
+    """The Hugging Face export's path to a URL, and initial_load_in_hf's way back."""
+    from torchtitan.remote import fetched_folder
+
+    storage = open_storage(url)
+    seen = []
+
+    def write(folder):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+        (folder / "config.json").write_text("{}")
+        seen.append(fsspec.filesystem("memory").exists(f"{url.removeprefix('memory:/')}/export-step-4/.complete"))
+        return 2
+
+    assert storage.write_folder("export-step-4", write) == 2 and seen == [False]
+    root = url.removeprefix("memory:/")
+    assert sorted(fsspec.filesystem("memory").ls(f"{root}/export-step-4", detail=False)) == [
+        f"{root}/export-step-4/.complete", f"{root}/export-step-4/config.json",
+        f"{root}/export-step-4/model.safetensors"]
+    with fetched_folder(storage.where("export-step-4"), "*.safetensors") as local:
+        assert [p.name for p in local.iterdir()] == ["model.safetensors"]
+        assert (local / "model.safetensors").read_bytes() == b"weights"
+    assert not local.exists()
