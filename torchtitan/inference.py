@@ -19,6 +19,7 @@ from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
 from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+from torchtitan.remote import fetched_folder, filesystem, is_url
 
 
 def build_model(cfg: JobConfig, device: torch.device | str = "cpu") -> tuple[nn.Module, TrainSpec]:
@@ -53,7 +54,14 @@ def load_model(config_file: str, checkpoint: str | None = None, device: str = "c
     cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
     model, spec = build_model(cfg, device)
     if checkpoint is not None:
-        if is_hf_folder(Path(checkpoint)):
+        if is_url(checkpoint):
+            fs, path = filesystem(checkpoint)
+            if fs.exists(f"{path.rstrip('/')}/config.json"):  # a Hugging Face export uploaded by the trainer
+                with fetched_folder(checkpoint, "*.safetensors") as local:
+                    load_hf_weights(model, spec, local)
+            else:
+                load_dcp_model(model, checkpoint)
+        elif is_hf_folder(Path(checkpoint)):
             load_hf_weights(model, spec, Path(checkpoint))
         else:
             load_dcp_model(model, checkpoint)

@@ -14,3 +14,9 @@ def init_logger(rank: int = 0, all_ranks: bool = False) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line for an error message: its type and the first line of its text."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

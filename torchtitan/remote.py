@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from torchtitan.log import one_line
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -74,8 +76,3 @@ def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
         if not names:
             raise RemoteError(f"{location}: holds no {pattern} files")
         yield Path(tmp)
-
-
-def one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

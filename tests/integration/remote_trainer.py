@@ -23,6 +23,9 @@ class ObjectStore(LocalFileSystem):
     protocol = "objstore"
     root_marker = ""
 
+    def __init__(self, **kwargs):
+        super().__init__(auto_mkdir=True)  # writing an object needs no folder made first
+
     @classmethod
     def _strip_protocol(cls, path):
         root, path = os.environ["OBJSTORE_ROOT"].rstrip("/"), str(path)

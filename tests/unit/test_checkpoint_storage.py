@@ -41,7 +41,7 @@ def test_a_url_step_counts_only_once_its_marker_is_written_and_deletion_drops_th
     save(storage, "step-4", torch.randn(5))
     assert storage.steps() == [2]
     verify_checkpoint(storage.where("step-2"))
-    storage.remove_incomplete()  # the unmarked step-4 goes, step-2 stays
+    storage.delete("step-4")
     fs = fsspec.filesystem("memory")
     assert fs.ls(url.removeprefix("memory:/"), detail=False) == [f"{url.removeprefix('memory:/')}/step-2"]
     calls = []
@@ -154,3 +154,23 @@ def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url):
         assert [p.name for p in local.iterdir()] == ["model.safetensors"]
         assert (local / "model.safetensors").read_bytes() == b"weights"
     assert not local.exists()
+
+
+def test_an_unmarked_step_is_removed_on_start_unless_it_holds_metadata(url, caplog):
+    storage = open_storage(url)
+    save(storage, "step-3", torch.randn(2))  # written to the end (metadata and all), never marked
+    storage.begin("step-5")  # cut short before anything was written
+    fsspec.filesystem("memory").pipe_file(f"{url.removeprefix('memory:/')}/step-5/__0_0.distcp", b"partial")
+    storage.remove_incomplete()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fsspec.filesystem("memory").ls(url.removeprefix("memory:/"), detail=False))
+    assert names == ["step-3"] and storage.steps() == []
+    assert "step-3 has no .complete marker, so it is not loaded" in caplog.text
+
+
+def test_a_metrics_backend_that_cannot_be_imported_fails_validation_on_every_rank(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"metrics.enable_wandb = True needs wandb, which cannot be imported here "
+                                          r"\(ModuleNotFoundError: import of wandb halted"):
+        load_and_validate(["--job.config_file", "train_configs/tiny.toml", "--metrics.enable_wandb"])

@@ -196,3 +196,31 @@ def test_hub_datasets_are_registered_and_fail_fast_offline():
     assert HUB_DATASETS["wikitext-103"]("validation").split == "validation"
     with pytest.raises(DataError, match="no 'validation' split here; valid: train"):
         load_documents("fineweb-edu", None, "validation")
+
+
+class _BlockReader:
+    """A reader that refuses the whole file at once, as newer pyarrow does for a column whose type changes."""
+
+    def iter(self, batch_size):
+        raise ValueError("JSON parse error: Column(/text) changed from string to number in row 3")
+        yield
+
+
+@pytest.mark.parametrize("kind,expected", [("number", "column 'text' holds int 5, not text"),
+                                           ("bad_json", "cannot read: ValueError: JSON parse error")])
+def test_a_reader_failing_on_a_whole_block_still_names_the_row(tmp_path, kind, expected):
+    from torchtitan.data.sources import _first_bad_json_line, _stream_texts
+
+    path, row = bad_case(tmp_path, kind)
+    with pytest.raises(DataError) as error:
+        list(_stream_texts(_BlockReader, path, "text", lambda: _first_bad_json_line(path, "text", "text")))
+    assert str(error.value).startswith(f"{path}: row {row}: {expected}"), error.value
+
+
+def test_the_row_locator_survives_a_truncated_gzip(tmp_path):
+    from torchtitan.data.sources import _first_bad_json_line
+
+    path = tmp_path / "d.jsonl.gz"
+    write(path, ["a", "b"] * 200)
+    path.write_bytes(path.read_bytes()[:40])
+    assert _first_bad_json_line(str(path), "text", "text") is None  # the reader's own error is reported

@@ -24,7 +24,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from torchtitan.remote import filesystem, is_url, join, one_line
+from torchtitan.log import logger, one_line
+from torchtitan.remote import filesystem, is_url, join
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
@@ -152,6 +153,7 @@ class LocalStorage(_Storage):
         if self.folder.is_dir():
             for child in self.folder.iterdir():
                 if child.name.endswith(PARTIAL_SUFFIX):
+                    logger.info(f"removing the incomplete checkpoint {child} (a save that was cut short)")
                     shutil.rmtree(child, ignore_errors=True)
 
     def write_folder(self, name: str, write: Callable[[Path], T]) -> T:
@@ -175,12 +177,25 @@ class RemoteStorage(_Storage):
         _fsspec_dcp()
 
     def check_reachable(self) -> None:
-        """Create the folder and list it, so that a wrong URL or missing credentials fail before training."""
+        """List the folder, or for a new one write and delete a probe object in it, so that a wrong URL, a missing
+        bucket or missing credentials fail before training. (No makedirs: on s3fs it would create a bucket that
+        a typo named.)"""
         try:
-            self.fs.makedirs(self.root, exist_ok=True)
             self.fs.ls(self.root, detail=False)
+            return
+        except FileNotFoundError:
+            pass  # a new folder (object stores have no empty folders)
         except Exception as e:
             raise CheckpointError(f"checkpoint location {self.location} is unreachable: {one_line(e)}") from None
+        probe = self._path(".torchtitan-probe")
+        try:
+            if "file" in self.fs.protocol:  # a local filesystem needs the folder itself
+                self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"")
+            self.fs.rm(probe)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint location {self.location} is unreachable or not writable: "
+                                  f"{one_line(e)}") from None
 
     def _path(self, *names: str) -> str:
         return join(self.root, *names)
@@ -216,9 +231,17 @@ class RemoteStorage(_Storage):
 
     def remove_incomplete(self) -> None:
         for name in self._children():
-            if (STEP_DIR.match(name) or name.startswith("export-step-")) and \
-                    not self.fs.exists(self._path(name, COMPLETE_MARKER)):
-                self.delete(name)
+            if not (STEP_DIR.match(name) or name.startswith("export-step-")) or \
+                    self.fs.exists(self._path(name, COMPLETE_MARKER)):
+                continue
+            if self.fs.exists(self._path(name, METADATA_FILE)):
+                # Written to the end but not marked (or copied here from elsewhere): never loaded, but not
+                # ours to delete unasked either.
+                logger.warning(f"{self.where(name)} has no {COMPLETE_MARKER} marker, so it is not loaded; it holds "
+                               f"{METADATA_FILE}: if it is a complete checkpoint, add the marker, else delete it")
+                continue
+            logger.info(f"removing the incomplete checkpoint {self.where(name)} (a save that was cut short)")
+            self.delete(name)
 
     def write_folder(self, name: str, write: Callable[[Path], T]) -> T:
         """Write a folder locally (e.g. a Hugging Face export), upload it, then mark it complete."""

@@ -33,7 +33,8 @@ import numpy as np
 from torchtitan.cache import cache_dir, locked
 from torchtitan.data.errors import DataError
 from torchtitan.data.tokenizer import Tokenizer
-from torchtitan.remote import filesystem, is_url, join, one_line
+from torchtitan.log import one_line
+from torchtitan.remote import filesystem, is_url, join
 
 FORMAT = "torchtitan-tokens"
 VERSION = 1

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from torchtitan.data.chat import load_pydocs_chat
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.log import one_line
 from torchtitan.registry import Registry
-from torchtitan.remote import filesystem, is_url, one_line, url_problem
+from torchtitan.remote import filesystem, is_url, url_problem
 
 DocumentLoader = Callable[[str], Iterable]
 
@@ -59,13 +60,27 @@ def _quiet_datasets_errors() -> None:
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
 
 
+def _type_problem(value, column: str, format: str) -> str | None:
+    """Why a row's (non-null) value cannot be a document of ``format``, or None."""
+    row_type, row_kind = _ROW_TYPES[format]
+    if isinstance(value, row_type):
+        return None
+    return f"column {column!r} holds {type(value).__name__} {value!r:.40}, not {row_kind}"
+
+
+BadRow = tuple[int, "str | None"]  # a row's index and what is wrong with it (None: it does not parse)
+
+
 def _stream_texts(
-    open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], int | None],
+    open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], BadRow | None],
     format: str = "text",
 ) -> Iterator:
     """Yield one column of a streamed `datasets` dataset row by row (text, or conversations for the chat
-    format), turning bad data into DataError."""
-    row_type, row_kind = _ROW_TYPES[format]
+    format), turning bad data into DataError.
+
+    A reader may fail on a whole block (e.g. pyarrow refusing a column whose type changes at some row), before
+    yielding any of its rows: ``locate_bad_row`` then finds the row in the file itself, so that the message
+    names the right row whatever version of the reader parsed it."""
     _quiet_datasets_errors()
     row = 0
     try:
@@ -78,22 +93,25 @@ def _stream_texts(
             for text in rows[text_column]:
                 if text is None:  # a row without the column, where other rows have it
                     raise DataError(f"{where}: row {row} has no value in column {text_column!r} (missing or null)")
-                if not isinstance(text, row_type):
-                    raise DataError(
-                        f"{where}: row {row}: column {text_column!r} holds {type(text).__name__} {text!r:.40}, "
-                        f"not {row_kind}"
-                    )
+                if problem := _type_problem(text, text_column, format):
+                    raise DataError(f"{where}: row {row}: {problem}")
                 yield text
                 row += 1
     except DataError:
         raise
     except Exception as e:  # whatever the reader raises, the user needs the file and row
-        bad_row = locate_bad_row()
-        raise DataError(f"{where}: row {row if bad_row is None else bad_row}: cannot read: {one_line(e)}") from None
+        located = locate_bad_row()
+        if located is not None and located[0] < row:  # a row the reader took: not the one it failed on
+            located = None
+        if located is not None and located[1] is not None:
+            raise DataError(f"{where}: row {located[0]}: {located[1]}") from None
+        bad_row = row if located is None else located[0]
+        raise DataError(f"{where}: row {bad_row}: cannot read: {one_line(e)}") from None
 
 
-def _first_bad_json_line(path: str) -> int | None:
-    """Index of the first line of a JSON-lines file that is not a JSON object (readers report blocks, not lines)."""
+def _first_bad_json_line(path: str, column: str, format: str) -> BadRow | None:
+    """The first row of a JSON-lines file that is not a JSON object, or whose ``column`` holds a value of the
+    wrong type (readers report blocks, not lines); rows count non-blank lines from 0."""
     if is_url(path):
         import fsspec
 
@@ -102,13 +120,20 @@ def _first_bad_json_line(path: str) -> int | None:
         opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
-            for index, line in enumerate(f):
+            index = 0
+            for line in f:
+                if not line.strip():
+                    continue
                 try:
-                    if line.strip() and not isinstance(json.loads(line), dict):
-                        return index
+                    row = json.loads(line)
                 except ValueError:  # bad JSON or bad UTF-8
-                    return index
-    except OSError:
+                    return index, None
+                if not isinstance(row, dict):
+                    return index, None
+                if row.get(column) is not None and (problem := _type_problem(row[column], column, format)):
+                    return index, problem
+                index += 1
+    except Exception:  # unreadable (a truncated gzip, a lost connection): the reader's own error is reported
         pass
     return None
 
@@ -188,7 +213,7 @@ class LocalFiles:
                 return datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
 
             def locate(path=path, suffix=suffix):
-                return _first_bad_json_line(str(path)) if suffix == ".jsonl" else None
+                return _first_bad_json_line(str(path), self.text_column, self.format) if suffix == ".jsonl" else None
 
             yield from _stream_texts(open_file, str(path), self.text_column, locate, self.format)
 
