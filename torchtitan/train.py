@@ -17,11 +17,13 @@ from torchtitan.components.checkpoint import CheckpointError, CheckpointManager,
 from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.components.expert_load import ExpertLoadBalancer
 from torchtitan.components.host_memory import keep_freed_host_memory
-from torchtitan.components.loss import count_valid_tokens
+from torchtitan.components.loss import count_valid_tokens, summed_loss_share
+from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.provenance import save_provenance
+from torchtitan.components.step_guard import StepGuard
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.loading import config_to_dict, format_help, save_resolved_config
@@ -36,6 +38,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, compute_autocast, compute_dtype, set_compute_dtype
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger
+from torchtitan.models.chunked_cross_entropy import use_chunked_loss
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import get_train_spec
@@ -77,9 +80,15 @@ class Trainer:
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token; {self.parallel_dims}")
         self.masking = DocumentMasking.from_config(cfg.model, training)
         logger.info(self.masking.describe())
-        self.loss_fn = spec.build_loss_fn(
-            compile_loss=cfg.compile.enable and "loss" in cfg.compile.components, backend=cfg.compile.backend
-        )
+        compile_loss = cfg.compile.enable and "loss" in cfg.compile.components
+        if training.loss_chunk_size > 0:
+            # The output head computes the summed loss chunk by chunk; what is left is dividing it.
+            use_chunked_loss(model, training.loss_chunk_size)
+            if compile_loss and not self.parallel_dims.tp_enabled:
+                model.output.compile_loss(cfg.compile.backend)
+            self.loss_fn = summed_loss_share
+        else:
+            self.loss_fn = spec.build_loss_fn(compile_loss=compile_loss, backend=cfg.compile.backend)
 
         def prepare(part: torch.nn.Module) -> torch.nn.Module:
             part = spec.parallelize_fn(part, self.parallel_dims, cfg)
@@ -145,7 +154,8 @@ class Trainer:
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
         # Tokens one device accounts for per step: TP and CP ranks share their replica's tokens.
         self.tokens_per_device = global_batch * training.seq_len / self.parallel_dims.world_size
-        self.loss_parallel = self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+        self.loss_parallel = (self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+                              and training.loss_chunk_size == 0)  # the chunked loss handles the vocab shards
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(
@@ -165,9 +175,10 @@ class Trainer:
 
         # Checkpoints: resume from the latest one of this run, if any.
         self.train_state = TrainState()
+        self.guard = StepGuard(training.guard)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
-            self.dataloader, self.train_state, self.device,
+            self.dataloader, self.train_state, self.device, self.guard,
             state_dict_adapter=self._hf_adapter(spec),
             tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path,
             pp_mesh=self.parallel_dims.submesh("pp"),
@@ -224,13 +235,29 @@ class Trainer:
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
-        self.optimizer.step()
-        self.converters.post_optimizer_hook(self.model_parts)
-        if self.expert_loads is not None:
-            self.expert_loads.after_step()
-        self.lr_scheduler.step()
         # Only the ranks holding the last stage have a loss; the others add zero.
-        return sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh), grad_norm
+        loss = sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh)
+        if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
+            if self.expert_loads is not None:
+                self.expert_loads.discard_step()
+        else:
+            self.optimizer.step()
+            self.converters.post_optimizer_hook(self.model_parts)
+            if self.expert_loads is not None:
+                self.expert_loads.after_step()
+        self.lr_scheduler.step()  # a skipped step still counts for the schedule
+        return loss, grad_norm
+
+    def _guard_skips(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether the bad-step guard skips this step's update (the same decision on every rank)."""
+        reason = self.guard.check(*torch.stack([loss.float(), grad_norm.float()]).tolist())
+        if reason is None:
+            return False
+        step = self.train_state.step + 1
+        logger.warning(f"step {step} skipped by the bad-step guard: {reason} (skipped so far: {self.guard.skipped})")
+        if stop := self.guard.stop_reason():
+            raise TrainingError(f"step {step}: {stop}")
+        return True
 
     def _to_device_and_shard(self, batch: Batch) -> Batch:
         """The batch on the device; under context parallelism, each rank's head and tail chunks of every
@@ -253,7 +280,8 @@ class Trainer:
             else:
                 pipe, losses = self.pipeline, []
                 pipe.schedule.eval(*((batch.input_ids,) if pipe.has_first_stage else ()),
-                                   target=batch.labels if pipe.has_last_stage else None, losses=losses, **inputs)
+                                   target=batch.labels if pipe.has_last_stage else None, losses=losses,
+                                   return_outputs=False, **inputs)
                 loss = sum((to_local_scalar(x) for x in losses), torch.zeros((), device=self.device))
                 loss = sum_over(loss, self.parallel_dims.submesh("pp"))
         return loss, count_valid_tokens(batch.labels)
@@ -323,9 +351,11 @@ class Trainer:
 
     def _check_and_log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
         loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-        check_finite(step, loss_value, norm_value)
+        if not (self.guard.cfg.enable and self.guard.last_reason):  # a skipped step may be non-finite
+            check_finite(step, loss_value, norm_value)
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
+            extra.update(self.guard.metrics())
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
             data_metrics = getattr(self.dataloader, "metrics", dict)()
             extra.update({f"data/{name}": n for name, n in data_metrics.items()})
@@ -345,7 +375,8 @@ def check_finite(step: int, loss: float, grad_norm: float) -> None:
     if bad:
         raise TrainingError(
             f"non-finite {' and '.join(bad)} at step {step} (loss {loss}, grad_norm {grad_norm}); "
-            f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm"
+            f"try a lower optimizer.lr, a longer lr_scheduler.warmup_steps or training.max_norm, or skip such steps "
+            "with training.guard.enable"
         )
 
 
@@ -374,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingError, CheckpointError) as e:
+    except (TrainingError, CheckpointError, MetricsBackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -64,6 +64,7 @@ def _wandb_records(path):
 
 
 def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb (or one of its dependencies) cannot be imported here")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     rows = train(tmp_path, "--metrics.enable_wandb", "--metrics.wandb_project", "titan-tests")
@@ -86,6 +87,17 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
     assert run.project == "titan-tests"
 
 
+def test_a_backend_that_cannot_be_imported_is_a_one_line_error(tmp_path, monkeypatch):
+    from torchtitan.components.metric_backends import MetricsBackendError, WandbBackend
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what a missing package (or dependency) looks like
+    with pytest.raises(MetricsBackendError) as error:
+        WandbBackend(tmp_path, None, None, {}, None)
+    assert str(error.value) == ("metrics.enable_wandb needs wandb, which cannot be imported here (ModuleNotFoundError: "
+                                "import of wandb halted; None in sys.modules); install it with its dependencies or "
+                                "turn metrics.enable_wandb off")
+
+
 def test_profiler_writes_a_chrome_trace_every_profile_freq_steps(tmp_path):
     train(tmp_path, "--profiling.enable_profiling", "--profiling.profile_freq", "3",
           "--profiling.enable_memory_snapshot")
@@ -95,7 +107,10 @@ def test_profiler_writes_a_chrome_trace_every_profile_freq_steps(tmp_path):
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("ProfilerStep#") for n in names)
     assert "aten::mm" in names or "aten::addmm" in names
-    assert not (tmp_path / "memory_snapshot").exists()  # CPU: snapshots are skipped with a warning
+    device = json.loads((tmp_path / "provenance.json").read_text())["device"]["type"]
+    snapshots = sorted(p.parent.name for p in (tmp_path / "memory_snapshot").glob("*/rank0_memory_snapshot.pickle"))
+    # CUDA: the allocator's history at each profiled step; CPU: none (skipped with a warning).
+    assert snapshots == (["iteration_3", "iteration_6"] if device == "cuda" else [])
 
 
 def test_time_breakdown_and_provenance(tmp_path):

@@ -54,7 +54,7 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path):
 def test_loss_is_the_token_mean_cross_entropy(tmp_path):
     trainer = make_trainer(tmp_path, "--training.steps", "1")
     batch = next(iter(trainer.dataloader))
-    inputs, labels = batch.input_ids, batch.labels
+    inputs, labels = batch.input_ids.to(trainer.device), batch.labels.to(trainer.device)
     model = trainer.model_parts[0]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())

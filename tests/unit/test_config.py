@@ -116,10 +116,17 @@ def test_compiled_loss_with_loss_parallel_is_refused_with_the_reason():
     validate_config(cfg, sources, world_size=2)
 
 
-def test_async_tp_needs_cuda_and_compile():
+def test_async_tp_needs_cuda_and_compile(monkeypatch):
+    from torchtitan.distributed import tensor_parallel
+
     cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--parallelism.tensor_parallel_degree",
                                 "2", "--parallelism.enable_async_tensor_parallel"])
+    # Decided from the machine's device: both answers are checked on any machine.
+    monkeypatch.setattr(tensor_parallel, "device_type", lambda: "cpu")
     with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+        validate_config(cfg, sources, world_size=2)
+    monkeypatch.setattr(tensor_parallel, "device_type", lambda: "cuda")
+    with pytest.raises(ConfigError, match="needs compile.enable = true"):
         validate_config(cfg, sources, world_size=2)
 
 

@@ -52,12 +52,14 @@ from torchtitan.components.checkpoint_storage import (
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.precision import DTYPES
 from torchtitan.hf_checkpoint import read_hf_model_state, write_hf_folder
-from torchtitan.log import logger
-from torchtitan.remote import RemoteError, fetched_folder, is_url, one_line, url_problem
+from torchtitan.log import logger, one_line
+from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
 
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "guard")
+# Added after the first checkpoints were written: loaded when the checkpoint has them, else left fresh.
+OPTIONAL_KEYS = ("guard",)
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
 # A single process needs no process group to save or load; DCP warns about that every time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -237,8 +239,8 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, dump_folder: str, model_parts: list[nn.Module],
                  optimizer: torch.optim.Optimizer, lr_scheduler, dataloader, train_state: TrainState,
-                 device: torch.device, state_dict_adapter=None, tokenizer=None, hf_assets_path: str | None = None,
-                 pp_mesh=None):
+                 device: torch.device, guard: Stateful, state_dict_adapter=None, tokenizer=None,
+                 hf_assets_path: str | None = None, pp_mesh=None):
         """``state_dict_adapter``, ``tokenizer`` and ``hf_assets_path`` serve Hugging Face loads and exports;
         ``pp_mesh`` (None without pipeline parallelism) tells the ranks holding the other stages."""
         self.cfg = cfg
@@ -254,6 +256,7 @@ class CheckpointManager:
             "lr_scheduler": LRSchedulerState(lr_scheduler),
             "dataloader": DataLoaderState(dataloader),
             "train_state": train_state,
+            "guard": guard,
         }
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.no_dist = not dist.is_initialized()
@@ -326,8 +329,11 @@ class CheckpointManager:
 
     def _load(self, where: str, keys: list[str]) -> None:
         metadata = verify_checkpoint(where)
-        if "dataloader" in keys:
-            self.states["dataloader"].prepare_load(metadata)
+        stored = {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
+        keys = [k for k in keys if k not in OPTIONAL_KEYS or k in stored]
+        for key in keys:
+            if hasattr(self.states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
+                self.states[key].prepare_load(metadata)
         state = {k: self.states[k] for k in keys}
         try:
             dcp.load(state, storage_reader=reader_for(where), no_dist=self.no_dist)
@@ -335,8 +341,9 @@ class CheckpointManager:
             raise CheckpointError(f"cannot load checkpoint {where}: {_first_failure(e)}") from None
 
     def _remove_incomplete_saves(self) -> None:
-        """Drop what a run killed mid-save left behind; complete checkpoints are untouched."""
-        if self.rank == 0:
+        """Drop what a run killed mid-save left behind; complete checkpoints are untouched. Not with load_only:
+        such a job may read a folder another run is writing to."""
+        if self.rank == 0 and not self.cfg.load_only:
             self.storage.remove_incomplete()
         if dist.is_initialized():
             dist.barrier()

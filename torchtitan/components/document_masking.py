@@ -19,15 +19,20 @@ from torchtitan.data.dataset import Batch
 
 @dataclass(frozen=True)
 class DocumentMasking:
+    """What the model's forward receives beyond the tokens: document ids (block-causal attention), per-document
+    positions, and the labels when the output head computes the loss itself (training.loss_chunk_size)."""
+
     block_causal: bool
     per_document_positions: bool
+    labels: bool = False
 
     @classmethod
     def from_config(cls, model: Model, training: Training) -> DocumentMasking:
         chat = training.dataset_format == "chat"
         mask = model.attention_mask if model.attention_mask != "auto" else ("block_causal" if chat else "causal")
         positions = model.positions if model.positions != "auto" else ("per_document" if chat else "global")
-        return cls(block_causal=mask == "block_causal", per_document_positions=positions == "per_document")
+        return cls(block_causal=mask == "block_causal", per_document_positions=positions == "per_document",
+                   labels=training.loss_chunk_size > 0)
 
     def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The keyword arguments of the model's forward beyond the tokens."""
@@ -36,12 +41,15 @@ class DocumentMasking:
             inputs["document_ids"] = batch.document_ids
         if self.per_document_positions:
             inputs["positions"] = batch.positions
+        if self.labels:
+            inputs["labels"] = batch.labels
         return inputs
 
     def describe(self) -> str:
         mask = "block-causal (within documents)" if self.block_causal else "causal"
         positions = "per document" if self.per_document_positions else "global"
-        return f"attention {mask}, RoPE positions {positions}"
+        loss = "; loss computed with the output projection in chunks" if self.labels else ""
+        return f"attention {mask}, RoPE positions {positions}{loss}"
 
 
 def config_problems(model: Model, training: Training, model_cls: type,
@@ -64,4 +72,8 @@ def config_problems(model: Model, training: Training, model_cls: type,
             auto = f"(for chat data: {value}) " if getattr(model, key.split(".")[1]) == "auto" else ""
             problems.append((key, f"{auto}needs a model whose forward takes {argument}=, which "
                                   f"{model_cls.__name__} (model.name = {model.name!r}) does not; valid: {fallback!r}"))
+    if training.loss_chunk_size > 0 and "labels" not in accepted:
+        problems.append(("training.loss_chunk_size", f"needs a model whose forward takes labels= (and returns the "
+                                                     f"summed loss), which {model_cls.__name__} (model.name = "
+                                                     f"{model.name!r}) does not; valid: 0"))
     return problems

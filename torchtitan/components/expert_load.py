@@ -194,6 +194,12 @@ class ExpertLoadBalancer:
         logger.info(f"MoE: {len(self.layers)} MoE layers here; routed experts compute with the {path} path ({why}); "
                     f"{balancing}; {aux}; router in {cfg.router_dtype}")
 
+    def discard_step(self) -> None:
+        """Forget the loads a skipped step routed (training.guard): its biases and counts stay as they were."""
+        for _, moe in self.layers:
+            moe.tokens_per_expert.zero_()
+            moe.aux_loss_sum = torch.zeros_like(self.aux_loss)
+
     @torch.no_grad()
     def after_step(self) -> None:
         """Sum this step's loads over the data-parallel ranks and move the routing biases (every rank alike)."""

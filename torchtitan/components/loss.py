@@ -31,5 +31,10 @@ def build_cross_entropy_loss(compile_loss: bool = False, backend: str = "inducto
     return loss_fn
 
 
+def summed_loss_share(summed: torch.Tensor, labels: torch.Tensor, global_valid_tokens) -> torch.Tensor:
+    """The LossFn for a model that returns its summed cross-entropy itself (training.loss_chunk_size)."""
+    return summed / global_valid_tokens
+
+
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()

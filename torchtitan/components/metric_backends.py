@@ -1,8 +1,43 @@
 """Where metric rows go besides the console: metrics.jsonl, TensorBoard and Weights & Biases."""
 
+import importlib
 import json
 import os
 from pathlib import Path
+
+from torchtitan.log import one_line
+
+
+class MetricsBackendError(Exception):
+    """An optional metrics backend cannot start (e.g. its package or one of its dependencies is missing)."""
+
+
+# flag -> (module to import, package to install)
+BACKENDS = {"metrics.enable_tensorboard": ("torch.utils.tensorboard", "tensorboard"),
+            "metrics.enable_wandb": ("wandb", "wandb")}
+
+
+def import_backend(flag: str):
+    """Import the module an optional backend flag needs, or say in one line what is missing."""
+    module, package = BACKENDS[flag]
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # a missing package, or one whose own dependencies are missing or broken
+        raise MetricsBackendError(f"{flag} needs {package}, which cannot be imported here ({one_line(e)}); "
+                                  f"install it with its dependencies or turn {flag} off") from None
+
+
+def config_problems(metrics) -> list[tuple[str, str]]:
+    """The [metrics] backends that are on but cannot be imported, checked on every rank before training (only
+    rank 0 writes them, so finding out there would leave the other ranks waiting in a collective)."""
+    problems = []
+    for flag in BACKENDS:
+        if getattr(metrics, flag.split(".")[1]):
+            try:
+                import_backend(flag)
+            except MetricsBackendError as e:
+                problems.append((flag, str(e).removeprefix(f"{flag} ")))
+    return problems
 
 
 class JsonlBackend:
@@ -24,9 +59,8 @@ class TensorBoardBackend:
     """One scalar series per metric, e.g. loss/train, written as event files."""
 
     def __init__(self, folder: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(folder), max_queue=100)
+        tensorboard = import_backend("metrics.enable_tensorboard")
+        self.writer = tensorboard.SummaryWriter(log_dir=str(folder), max_queue=100)
 
     def log(self, row: dict) -> None:
         step = row["step"]
@@ -44,8 +78,7 @@ class WandbBackend:
 
     def __init__(self, dump_folder: Path, project: str | None, run_name: str | None, config: dict,
                  group: str | None):
-        import wandb
-
+        wandb = import_backend("metrics.enable_wandb")
         dump_folder.mkdir(parents=True, exist_ok=True)
         # W&B writes its runs into {dir}/wandb/.
         self.run = wandb.init(

@@ -27,6 +27,8 @@ def _git(*args: str) -> str | None:
 
 
 def _version(package: str) -> str | None:
+    if package == "torch":
+        return torch.__version__  # with the build's local tag (2.11.0+cu130), which the metadata drops
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

@@ -137,6 +137,16 @@ class Data:
 
 
 @dataclass
+class Guard:
+    enable: bool = option(False, "Skip the optimizer step when the gradient norm or loss is not finite, or the loss "
+                                 "spikes; skipped steps are counted (guard/skipped_steps)")
+    spike_factor: float = option(5.0, "A loss above this x the median of the last `window` kept steps is a spike "
+                                      "(0: only non-finite steps are skipped)")
+    window: int = option(50, "Kept steps in the running median; spikes are looked for once it is full")
+    max_consecutive: int = option(5, "Stop the run when more than this many steps in a row are skipped")
+
+
+@dataclass
 class Training:
     dataset: str = option(
         "pydocs", "Registered dataset: pydocs, c4, c4_validation, fineweb-edu, wikitext-103 (text); pydocs_chat (chat)"
@@ -159,6 +169,10 @@ class Training:
     )
     seq_len: int = option(2048, "Tokens per sequence")
     max_norm: float = option(1.0, "Clip the global gradient norm to this value (<= 0 disables)")
+    loss_chunk_size: int = option(
+        0, "Compute the output projection and cross-entropy over chunks of this many tokens, so the full logits "
+        "never exist at once (0: the plain path)"
+    )
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")
     dtype: Literal["float32", "bfloat16"] = option("float32", "Dtype the parameters are stored in")
@@ -170,6 +184,7 @@ class Training:
     gc_freq: int = option(50, "Run Python garbage collection every this many steps")
     dataloader: DataLoader = section(DataLoader, "Data loader settings")
     chat: Chat = section(Chat, "Chat (supervised fine-tuning) data settings")
+    guard: Guard = section(Guard, "Bad-step guard: skip steps with non-finite gradients or loss spikes")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from torchtitan.config.loading import ConfigError, ConfigSources, load_config
 from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
 
+
 class _Checker:
     def __init__(self, cfg: JobConfig, sources: ConfigSources):
         self.cfg, self.sources = cfg, sources
@@ -86,6 +87,14 @@ def _check_training(c: _Checker) -> None:
               "is invalid; it must be -1 (local x data-parallel degree) or > 0")
     peak = c.cfg.metrics.peak_tflops
     c.require("metrics.peak_tflops", peak is None or peak > 0, "is invalid; it must be > 0 or unset")
+    c.require("training.loss_chunk_size", t.loss_chunk_size >= 0, "is invalid; it must be >= 0 (0: the plain loss)")
+    c.require("training.loss_chunk_size", t.loss_chunk_size == 0 or "float8" not in c.cfg.model.converters
+              or "output" in c.cfg.quantize.linear.float8.filter_fqns,
+              "makes the output projection the chunked loss head, which float8 does not convert; keep 'output' in "
+              "quantize.linear.float8.filter_fqns")
+    from torchtitan.components.metric_backends import config_problems as backend_problems
+
+    c.report("", backend_problems(c.cfg.metrics))
 
 
 def _check_optimizer(c: _Checker) -> None:
@@ -133,11 +142,9 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
 
 
 def _check_model(c: _Checker) -> None:
-    from torchtitan.protocols.train_spec import model_config_problems
-
-    from torchtitan.components.expert_load import config_problems as moe_problems
-
     from torchtitan.components.document_masking import config_problems as masking_problems
+    from torchtitan.components.expert_load import config_problems as moe_problems
+    from torchtitan.protocols.train_spec import model_config_problems
 
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
@@ -190,6 +197,9 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
 
     has_adapter = get_train_spec(c.cfg.model.name).state_dict_adapter is not None
     c.report("checkpoint", config_problems(c.cfg.checkpoint, world_size, c.cfg.model.name, has_adapter))
+    from torchtitan.components.step_guard import config_problems as guard_problems
+
+    c.report("training.guard", guard_problems(c.cfg.training.guard))
     from torchtitan.remote import is_url
 
     c.require("job.dump_folder", not is_url(c.cfg.job.dump_folder), "is a URL, but metrics, TensorBoard, traces "

@@ -56,6 +56,10 @@ def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[t
     tp, key = p.tensor_parallel_degree, "parallelism.tensor_parallel_degree"
     if t.seq_len % tp != 0:
         return [(key, f"does not divide training.seq_len = {t.seq_len}, which sequence parallelism shards")]
+    if tp > 1 and compile_cfg.enable and "loss" in compile_cfg.components and t.loss_chunk_size > 0:
+        return [("compile.components", "includes 'loss', which is not compiled with training.loss_chunk_size under "
+                 "tensor parallelism (its chunk loop all-reduces over the TP group); leave 'loss' out of "
+                 "compile.components")]
     if tp > 1 and compile_cfg.enable and "loss" in compile_cfg.components and not p.disable_loss_parallel:
         return [("compile.components", "includes 'loss', which cannot be compiled with loss parallel (the compiled "
                  "cross-entropy ignores the vocab sharding); set parallelism.disable_loss_parallel = true or "
@@ -83,16 +87,19 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     row-parallel projections (wo, w2) reduce-scatter back to sequence shards. With loss parallel
     the logits stay sharded on the vocabulary.
     """
+    computes_loss = getattr(model.output, "computes_loss", False)
     parallelize_module(
         model,
         tp_mesh,
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
+            # A head that computes the loss (ChunkedLinearCrossEntropy) reduces over the vocab shards itself and
+            # returns a replicated scalar.
             "output": ColwiseParallel(
                 input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
+                output_layouts=Shard(-1) if loss_parallel and not computes_loss else Replicate(),
+                use_local_output=not loss_parallel or computes_loss,
             ),
         },
     )

@@ -122,16 +122,19 @@ class Decoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq), or hidden states on a later pipeline stage. ``document_ids`` (batch, seq),
         never decreasing along a row, makes attention block-causal; ``positions`` (batch, seq) are the RoPE
-        positions (e.g. restarting at each document), else 0, 1, 2, ..."""
+        positions (e.g. restarting at each document), else 0, 1, 2, ... ``labels`` (batch, seq) go to an output
+        head that computes the loss itself (ChunkedLinearCrossEntropy): it then returns the summed loss."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         documents = DocumentMask(document_ids, self.flex_block_mask) if document_ids is not None else None
         for layer in self.layers.values():
             h = layer(h, self.rope, documents=documents, positions=positions)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels=labels)
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Initialise from ``seed``; identical on any parallel layout (see seeded_init)."""
