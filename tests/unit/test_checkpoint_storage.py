@@ -162,7 +162,8 @@ def test_an_unmarked_step_is_removed_on_start_unless_it_holds_metadata(url, capl
     storage.begin("step-5")  # cut short before anything was written
     fsspec.filesystem("memory").pipe_file(f"{url.removeprefix('memory:/')}/step-5/__0_0.distcp", b"partial")
     storage.remove_incomplete()
-    names = sorted(p.rsplit("/", 1)[-1] for p in fsspec.filesystem("memory").ls(url.removeprefix("memory:/"), detail=False))
+    listed = fsspec.filesystem("memory").ls(url.removeprefix("memory:/"), detail=False)
+    names = sorted(p.rsplit("/", 1)[-1] for p in listed)
     assert names == ["step-3"] and storage.steps() == []
     assert "step-3 has no .complete marker, so it is not loaded" in caplog.text
 

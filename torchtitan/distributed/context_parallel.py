@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
-from torchtitan.models.attention import DocumentMask, document_spans
+from torchtitan.models.attention import DocumentMask, document_spans, with_value_head_size
 
 METHODS = ("allgather", "ring")
 
@@ -560,8 +560,9 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len:
     positions = cp_positions(seq_len, cp_mesh.get_local_rank(), cp_mesh.size())
     on_device: dict[torch.device, torch.Tensor] = {}
 
-    def attention(q, k, v, documents=None):
-        return context_parallel_attention(q, k, v, cp_mesh, method, documents=documents)
+    @with_value_head_size
+    def attention(q, k, v, documents=None, scale=None):
+        return context_parallel_attention(q, k, v, cp_mesh, method, scale=scale, documents=documents)
 
     def rope_rows_of_this_rank(module, args, kwargs):
         if kwargs.get("positions") is not None:

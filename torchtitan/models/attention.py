@@ -36,13 +36,40 @@ class _CpuBf16FlashAttention(torch.autograd.Function):
         return tuple(g.to(torch.bfloat16) for g in grads)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def with_value_head_size(kernel):
+    """Let ``kernel(q, k, v, *args, scale=)`` take values whose head size differs from the queries' (MLA: 128 vs
+    192): the values are zero-padded to the query head size, which adds zero output columns, cut off again.
+    Exact (forward and gradients); the flash kernels refuse differing sizes. A kernel given scale=None uses
+    1/sqrt(q head size), as before the padding."""
+
+    def wrapped(q, k, v, *args, scale: float | None = None):
+        if v.shape[-1] == q.shape[-1]:
+            return kernel(q, k, v, *args, scale=scale)
+        pad = q.shape[-1] - v.shape[-1]
+        if pad < 0:
+            raise ValueError(f"value head size {v.shape[-1]} is larger than the query head size {q.shape[-1]}")
+        out = kernel(q, k, F.pad(v, (0, pad)), *args, scale=scale)
+        return out[..., : v.shape[-1]]
+
+    return wrapped
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal scaled-dot-product attention of (batch, heads, seq, head_dim) tensors; k/v may have fewer heads.
+    ``scale`` multiplies q.k (None: 1/sqrt(head_dim)); v may have a smaller head size than q and k.
 
     On CPU, bfloat16 inputs with head_dim 16 take the AMX kernel where the machine has one
     (models/amx_attention.py), other bfloat16 inputs the mixed-precision flash kernel above, and float16
     ones are computed in float32 (the CPU float16 kernel is slower still); elsewhere the inputs' dtype is used.
     """
+    return _causal_attention(q, k, v, scale=scale)
+
+
+@with_value_head_size
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    if scale is not None and scale != q.shape[-1] ** -0.5:
+        # The CPU kernels above take no scale: fold it into q, which sdpa then scales by 1/sqrt(d).
+        q = q * (scale * q.shape[-1] ** 0.5)
     gqa = q.shape[1] != k.shape[1]
     if amx_attention.supports(q, k, v):
         return amx_attention.causal_attention(q, k, v)
@@ -108,7 +135,8 @@ def _flex_block_mask(ids: torch.Tensor):
     return _compiled_create_block_mask(same_document_causal, batch, None, seq, seq, device=ids.device)
 
 
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+@with_value_head_size
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, scale: float | None = None):
     # flex_attention only fuses its mask into one kernel when compiled; inside an already compiled block the
     # inner compile is traced through.
     global _compiled_flex_attention
@@ -116,33 +144,36 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mas
         from torch.nn.attention.flex_attention import flex_attention
 
         _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @torch.compiler.disable
 def _attention_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            spans: list[list[tuple[int, int]]]) -> torch.Tensor:
+                            spans: list[list[tuple[int, int]]], scale: float | None = None) -> torch.Tensor:
     # Causal attention run separately on each document: exact, no sequence x sequence mask, and with many
     # short documents it skips the cross-document work a masked kernel would still do. The Python loop over
     # spans cannot be traced, so a compiled block calls it eagerly.
     if all(len(row) == 1 for row in spans):
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, scale)
     rows = []
     for b, row in enumerate(spans):
-        parts = [causal_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e]) for s, e in row]
+        parts = [causal_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e], scale) for s, e in row]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(rows)
 
 
-def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask) -> torch.Tensor:
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask,
+                           scale: float | None = None) -> torch.Tensor:
     """Causal attention that stays within each document: flex attention on CUDA, per-document spans elsewhere."""
     if documents.block_mask is not None:
-        return _flex_attention(q, k, v, documents.block_mask)
-    return _attention_per_document(q, k, v, documents.spans())
+        return _flex_attention(q, k, v, documents.block_mask, scale=scale)
+    return _attention_per_document(q, k, v, documents.spans(), scale)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-    """The decoder's attention: causal, or block-causal when the batch's documents are given."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None,
+           scale: float | None = None) -> torch.Tensor:
+    """The decoder's attention: causal, or block-causal when the batch's documents are given. ``scale``
+    multiplies q.k (None: 1/sqrt(head size)); v's head size may be smaller than q's (MLA)."""
     if documents is None:
-        return causal_attention(q, k, v)
-    return block_causal_attention(q, k, v, documents)
+        return causal_attention(q, k, v, scale)
+    return block_causal_attention(q, k, v, documents, scale)

@@ -7,7 +7,9 @@ from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.protocols.train_spec import TrainSpec
 
 
-def decoder_train_spec(flavors: dict[str, DecoderArgs], state_dict_adapter: type | None = None) -> TrainSpec:
-    """The shared decoder with every parallelism (TP with QK-norm, CP, AC, compile, FSDP/HSDP/DDP, PP)."""
-    return TrainSpec(model_cls=Decoder, flavors=flavors, parallelize_fn=parallelize_decoder,
+def decoder_train_spec(flavors: dict[str, DecoderArgs], state_dict_adapter: type | None = None,
+                       model_cls: type[Decoder] = Decoder) -> TrainSpec:
+    """The shared decoder (or a subclass with its own blocks) with every parallelism (TP with QK-norm, CP, AC,
+    compile, FSDP/HSDP/DDP, PP)."""
+    return TrainSpec(model_cls=model_cls, flavors=flavors, parallelize_fn=parallelize_decoder,
                      pipelining_fn=build_pipeline, state_dict_adapter=state_dict_adapter)

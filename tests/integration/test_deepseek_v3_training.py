@@ -1,0 +1,48 @@
+"""DeepSeek-V3 debug model in the trainer: every supported layout trains the single process's steps, and 200
+steps learn with the experts kept even by the routing bias."""
+
+import math
+
+import pytest
+
+from tests.integration.parity import assert_same_steps, rows_of, train_matrix
+
+CONFIG = "train_configs/deepseek_v3_debug.toml"
+COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
+          "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+LAYOUTS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+    "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
+    "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+    "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+    "ep2_pp2": (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return train_matrix(tmp_path_factory.mktemp("deepseek_v3"), LAYOUTS, config=CONFIG, common=COMMON)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_layout_matches_the_single_process(runs, layout):
+    reference = rows_of(runs, "single")
+    assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
+    assert_same_steps(rows_of(runs, layout), reference)
+
+
+@pytest.mark.slow
+def test_200_steps_learn_with_even_experts(tmp_path):
+    flags = ["--training.mixed_precision_param", "float32", "--training.steps", "200",
+             "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1"]
+    rows = rows_of(train_matrix(tmp_path, {"long": (1, [])}, config=CONFIG, common=flags), "long")
+    assert len(rows) == 200 and all(math.isfinite(r["loss"]) for r in rows)
+    last = rows[-20:]
+    drop = rows[0]["loss"] - sum(r["loss"] for r in last) / 20
+    balance = sum(r["moe/max_over_mean"] for r in last) / 20
+    print(f"\nloss drop {drop:.3f} nats, busiest/mean expert load over the last 20 steps {balance:.3f}")
+    assert drop >= 1.0 and balance <= 1.5

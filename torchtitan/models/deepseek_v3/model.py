@@ -1,0 +1,81 @@
+"""DeepSeek-V3: the shared decoder with multi-head latent attention in every block.
+
+Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1), per token x:
+
+    q        = wq(x)                               or, with q_lora_rank, wq_b(q_norm(wq_a(x)))
+    q        = [q_nope (qk_nope_head_dim) | q_rope (qk_rope_head_dim)] per head; RoPE on q_rope
+    c, k_r   = wkv_a(x) split into the latent (kv_lora_rank) and one rotary key shared by all heads
+    k_nope,v = wkv_b(kv_norm(c)) split per head into qk_nope_head_dim and v_head_dim channels
+    k        = [k_nope | RoPE(k_r)] per head
+    out      = wo(attention(q, k, v, scale = softmax_scale))
+
+The attention kernels take the explicit softmax scale (YaRN's correction) and values narrower than the
+queries (models/attention.py). Everything else is the shared decoder's: blocks, MoE, norms, output.
+"""
+
+import torch
+from torch import nn
+
+from torchtitan.models.attention import DocumentMask, attend
+from torchtitan.models.decoder import Decoder, TransformerBlock
+from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
+from torchtitan.models.feed_forward import FeedForward
+from torchtitan.models.moe import MoE
+from torchtitan.models.rope import apply_rope, rope_table
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, args: DeepseekV3ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.softmax_scale = args.softmax_scale
+        self.rope_convention = args.rope_convention
+        qk_dim = args.head_dim
+        if args.q_lora_rank > 0:
+            self.wq = None
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
+                               bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        # The attention kernel, attention_fn(q, k, v, documents, scale=); context parallelism may swap it.
+        self.attention_fn = attend
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 rather than n_heads: under tensor parallelism each rank holds a subset of the heads.
+        q = q.view(bsz, seqlen, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, rope, self.rope_convention, positions)], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope, self.rope_convention, positions)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.attention_fn(q, k, v, documents, scale=self.softmax_scale)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class DeepseekV3Model(Decoder):
+    """The shared decoder with MLA blocks; the first n_dense_layers blocks dense, the others MoE."""
+
+    args: DeepseekV3ModelArgs
+
+    def _block(self, layer_id: int) -> TransformerBlock:
+        a = self.args
+        ffn = MoE(a.dim, a.moe) if a.is_moe_layer(layer_id) else FeedForward(a.dim, a.ffn_hidden_dim)
+        return TransformerBlock(layer_id, a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
+
+    def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
+        # YaRN scales cos and sin by its attention factor (1 for the published flavors).
+        return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device) * self.args.rope_attention_factor

@@ -1,0 +1,74 @@
+"""DeepSeek-V3 weights to and from Hugging Face transformers' DeepseekV3ForCausalLM naming.
+
+MLA's projections keep their layout: the released checkpoints store the rotary channels interleaved in pairs,
+as our "pairs" RoPE rotates them (config rope_interleave = true), so nothing is permuted. The router is
+``mlp.gate`` with its routing bias ``mlp.gate.e_score_correction_bias``; shared experts are
+``mlp.shared_experts``; the stacked experts split into per-expert projections (the shared adapter does that).
+Multi-token prediction layers (model.layers.{n_layers}.*) are not read or written yet.
+"""
+
+from typing import ClassVar
+
+from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
+from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
+
+
+class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
+    family = "DeepSeek-V3"
+    hf_architecture = "DeepseekV3ForCausalLM"
+    hf_model_type = "deepseek_v3"
+    hf_has_expert_bias = True
+    extra_layer_names: ClassVar[dict[str, str]] = {
+        "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+        "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+        "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+        "moe.router.gate.weight": "mlp.gate.weight",
+        "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+        "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+        "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+        "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    }
+    args: DeepseekV3ModelArgs
+
+    def _rope_heads(self, name: str) -> int | None:
+        return None  # interleaved on both sides
+
+    def extra_hf_config(self) -> dict:
+        a, moe = self.args, self.args.moe
+        if moe is None or moe.score_func != "sigmoid" or not moe.shared_hidden_dim:
+            raise ValueError(f"{self.hf_architecture} routes with sigmoid scores and has shared experts; this "
+                             "flavor's MoE differs")
+        if moe.shared_hidden_dim % moe.hidden_dim:
+            raise ValueError(f"{self.hf_architecture} sizes shared experts in whole experts: moe.shared_hidden_dim "
+                             f"{moe.shared_hidden_dim} is not a multiple of moe.hidden_dim {moe.hidden_dim}")
+        config = {
+            "head_dim": a.qk_rope_head_dim,
+            "q_lora_rank": a.q_lora_rank or None,
+            "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim,
+            "qk_rope_head_dim": a.qk_rope_head_dim,
+            "v_head_dim": a.v_head_dim,
+            "rope_interleave": True,
+            "n_routed_experts": moe.num_experts,
+            "n_shared_experts": moe.shared_hidden_dim // moe.hidden_dim,
+            "moe_intermediate_size": moe.hidden_dim,
+            "num_experts_per_tok": moe.top_k,
+            "n_group": moe.n_groups,
+            "topk_group": moe.topk_group,
+            "routed_scaling_factor": moe.route_scale,
+            "norm_topk_prob": moe.route_norm,
+            "first_k_dense_replace": a.n_dense_layers,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "num_nextn_predict_layers": 0,
+        }
+        if a.rope_factor > 1:
+            config["rope_scaling"] = {
+                "type": "yarn", "rope_type": "yarn", "factor": a.rope_factor,
+                "original_max_position_embeddings": a.original_seq_len, "beta_fast": a.beta_fast,
+                "beta_slow": a.beta_slow, "mscale": a.mscale, "mscale_all_dim": a.mscale_all_dim,
+            }
+        return config
