@@ -9,8 +9,9 @@ config files), as that implementation reads them.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
-import tempfile
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,18 +62,29 @@ class RemoteError(Exception):
 @contextmanager
 def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
     """A local folder holding ``location``'s files that match ``pattern``: the folder itself when it is local,
-    else a temporary copy of the URL's matching top-level files (removed on exit)."""
+    else a copy of the URL's matching top-level files in the cache folder ($TORCHTITAN_CACHE_DIR/fetched/),
+    made once per machine: the first process copies under a file lock (the others wait and reuse it) and marks
+    the copy complete last. Weights of a large model are read by every rank of a node; one copy serves them."""
     if not is_url(location):
         yield Path(location)
         return
-    with tempfile.TemporaryDirectory(prefix="torchtitan-fetch-") as tmp:
-        try:
-            fs, root = filesystem(location)
-            names = [p for p in fs.ls(root, detail=False) if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
-            for name in names:
-                fs.get_file(name, str(Path(tmp) / name.rstrip("/").rsplit("/", 1)[-1]))
-        except Exception as e:
-            raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
-        if not names:
-            raise RemoteError(f"{location}: holds no {pattern} files")
-        yield Path(tmp)
+    from torchtitan.cache import cache_dir, locked
+
+    local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
+    done = local / ".complete"
+    with locked(local.with_suffix(".lock")):
+        if not done.is_file():
+            shutil.rmtree(local, ignore_errors=True)  # an interrupted copy
+            local.mkdir(parents=True)
+            try:
+                fs, root = filesystem(location)
+                names = [p for p in fs.ls(root, detail=False)
+                         if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
+                for name in names:
+                    fs.get_file(name, str(local / name.rstrip("/").rsplit("/", 1)[-1]))
+            except Exception as e:
+                raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
+            if not names:
+                raise RemoteError(f"{location}: holds no {pattern} files")
+            done.write_text(location + "\n")
+    yield local

@@ -131,7 +131,7 @@ def test_the_test_object_store_refuses_folder_renames(tmp_path, monkeypatch):
         fs.mv(path, path + "-moved")
 
 
-def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url):
+def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url, tmp_path, monkeypatch):
     """The Hugging Face export's path to a URL, and initial_load_in_hf's way back."""
     from torchtitan.remote import fetched_folder
 
@@ -150,10 +150,15 @@ def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url):
     assert sorted(fsspec.filesystem("memory").ls(f"{root}/export-step-4", detail=False)) == [
         f"{root}/export-step-4/.complete", f"{root}/export-step-4/config.json",
         f"{root}/export-step-4/model.safetensors"]
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
     with fetched_folder(storage.where("export-step-4"), "*.safetensors") as local:
-        assert [p.name for p in local.iterdir()] == ["model.safetensors"]
+        assert sorted(p.name for p in local.iterdir()) == [".complete", "model.safetensors"]
         assert (local / "model.safetensors").read_bytes() == b"weights"
-    assert not local.exists()
+    fetches = []
+    fs = fsspec.filesystem("memory")
+    monkeypatch.setattr(fs, "get_file", lambda *a, **k: fetches.append(a))
+    with fetched_folder(storage.where("export-step-4"), "*.safetensors") as again:
+        assert again == local and fetches == []  # one copy per machine, reused
 
 
 def test_an_unmarked_step_is_removed_on_start_unless_it_holds_metadata(url, caplog):
