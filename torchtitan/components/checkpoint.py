@@ -313,7 +313,7 @@ class CheckpointManager:
         logger.info(f"initialised {'the model' if keys == ['model'] else 'the run'} from {location}")
 
     def _load_hf(self, location: str) -> None:
-        """Model weights from a Hugging Face folder (local, or a URL fetched to a temporary folder first); every
+        """Model weights from a Hugging Face folder (local, or a URL copied once per machine into the cache); every
         rank reads the files and keeps its shards."""
         if self.state_dict_adapter is None:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({location})")

@@ -22,11 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from torchtitan.components.loss import IGNORE_INDEX
-
-
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
-    device = h.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+from torchtitan.models.moe import compute_dtype_of
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -115,7 +111,7 @@ class ChunkedLinearCrossEntropy(nn.Linear):
             weight = weight.to_local()
             # The input's gradient is this rank's share of a sum over the vocabulary shards.
             h = h.to_local(grad_placements=[Partial()]) if isinstance(h, DTensor) else h
-        total = self.loss_sum(h.flatten(0, -2), weight, labels.flatten(), self.chunk_size, _compute_dtype(h), group,
+        total = self.loss_sum(h.flatten(0, -2), weight, labels.flatten(), self.chunk_size, compute_dtype_of(h), group,
                               vocab_start)
         if group is not None:  # the same value on every rank; ColwiseParallel's output hook unwraps it
             return DTensor.from_local(total, self.weight.device_mesh, [Replicate()], run_check=False)
