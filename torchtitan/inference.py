@@ -18,15 +18,16 @@ from torchtitan.components.checkpoint_storage import reader_for, verify_checkpoi
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
 from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, build_model_args, get_train_spec
 from torchtitan.remote import fetched_folder, filesystem, is_url
 
 
-def build_model(cfg: JobConfig, device: torch.device | str = "cpu") -> tuple[nn.Module, TrainSpec]:
-    """The config's model, materialised and initialised from debug.seed, with its train spec."""
+def build_model(cfg: JobConfig, device: torch.device | str = "cpu", mtp: bool = True) -> tuple[nn.Module, TrainSpec]:
+    """The config's model, materialised and initialised from debug.seed, with its train spec (``mtp=False``:
+    without multi-token prediction blocks)."""
     spec = get_train_spec(cfg.model.name)
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
-    args = spec.flavors[cfg.model.flavor].finalize(tokenizer.vocab_size, cfg.training.seq_len)
+    args = build_model_args(spec, cfg.model, tokenizer.vocab_size, cfg.training.seq_len, mtp=mtp)
     with torch.device("meta"):
         model = spec.model_cls(args)
     model.to_empty(device=device)
@@ -50,9 +51,10 @@ def load_dcp_model(model: nn.Module, location: str | Path) -> None:
 
 
 def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:
-    """An eval-mode model built from ``config_file`` with weights from ``checkpoint`` (DCP or HF folder)."""
+    """An eval-mode model built from ``config_file`` with weights from ``checkpoint`` (DCP or HF folder); multi-token
+    prediction blocks, which inference does not run, are left out (and their weights not read)."""
     cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
-    model, spec = build_model(cfg, device)
+    model, spec = build_model(cfg, device, mtp=False)
     if checkpoint is not None:
         if is_url(checkpoint):
             fs, path = filesystem(checkpoint)

@@ -26,7 +26,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, resolve_compute_dtype, uses_autocast
 from torchtitan.models import amx_attention
 from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 GIB = 2**30
 
@@ -125,9 +125,10 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
                         f"(torchtitan/models/decoder_args.py), not {type(flavor).__name__}")
     if vocab_size is None and flavor.vocab_size is None:
         vocab_size = spec.build_tokenizer_fn(cfg.model.hf_assets_path).vocab_size
-    args = flavor.finalize(vocab_size or flavor.vocab_size, cfg.training.seq_len)
+    args = build_model_args(spec, cfg.model, vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    # Multi-token prediction blocks are planned as blocks (their extra output-head pass is not counted).
     blocks = list(model.layers.values())
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
@@ -136,7 +137,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     per_block = sum(p.numel() for b in blocks for p in b.parameters()) // len(blocks)
     linear = sum(m.weight.numel() for b in blocks for m in b.modules() if isinstance(m, nn.Linear)) // len(blocks)
     return ModelShape(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
+        dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
         vocab=args.vocab_size, params=params, block_params=per_block, block_linear_params=linear,
         embedding_params=embedding,

@@ -20,6 +20,7 @@ from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import count_valid_tokens, summed_loss_share
 from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.provenance import save_provenance
@@ -41,7 +42,7 @@ from torchtitan.log import init_logger, logger
 from torchtitan.models.chunked_cross_entropy import use_chunked_loss
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
-from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 
 class TrainingError(Exception):
@@ -66,7 +67,9 @@ class Trainer:
         # The model: built on the meta device, parallelized, then materialised and initialised.
         spec = get_train_spec(cfg.model.name)
         self.tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
-        self.model_args = spec.flavors[cfg.model.flavor].finalize(self.tokenizer.vocab_size, training.seq_len)
+        self.model_args = build_model_args(spec, cfg.model, self.tokenizer.vocab_size, training.seq_len)
+        # Multi-token prediction blocks (their loss is added with training.mtp_loss_weight, logged as mtp/loss).
+        self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         self.converters = ModelConverters(cfg.model.converters, cfg, self.parallel_dims)
@@ -171,6 +174,7 @@ class Trainer:
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the last step's extra losses (multi-token prediction)
         self.data_iterator = None  # created on first use, after any dataloader state is restored
 
         # Checkpoints: resume from the latest one of this run, if any.
@@ -213,30 +217,40 @@ class Trainer:
     def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
-        microbatches = [self._to_device_and_shard(batch) for batch in microbatches]
+        prepared = [self._to_device_and_shard(batch, self.mtp_depth) for batch in microbatches]
         # The loss is normalised by the trained (non-ignored) tokens of the whole step on all ranks, known
         # up front; at least 1, so a step whose labels are all ignored contributes zero, not NaN.
-        local_tokens = sum(count_valid_tokens(batch.labels) for batch in microbatches)
+        local_tokens = sum(count_valid_tokens(batch.labels) for batch, _ in prepared)
         global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh).clamp(min=1)
+        if self.mtp_depth:
+            local_targets = sum(count_mtp_targets(mtp["mtp_labels"]) for _, mtp in prepared)
+            global_targets = sum_over(local_targets, self.loss_mesh).clamp(min=1)
         step_loss = torch.zeros((), device=self.device)
-        for index, batch in enumerate(microbatches):
+        step_mtp_loss = torch.zeros((), device=self.device)
+        for index, (batch, mtp) in enumerate(prepared):
             if self.pipeline is not None:
                 # The pipeline stage syncs its gradients itself at the end of every schedule step.
                 step_loss += self._pipeline_forward_backward(batch, global_tokens)
                 continue
-            set_gradient_sync(self.model_parts, last_microbatch=index == len(microbatches) - 1)
+            set_gradient_sync(self.model_parts, last_microbatch=index == len(prepared) - 1)
             with self.autocast():
-                logits = self.model_parts[0](batch.input_ids, **self.masking.model_inputs(batch))
+                logits = self.model_parts[0](batch.input_ids, **self.masking.model_inputs(batch), **mtp)
             with loss_parallel_context(self.loss_parallel):
+                if mtp:
+                    logits, predictions = logits
+                    mtp_share = mtp_loss(self.loss_fn, predictions, mtp["mtp_labels"], global_targets)
+                    del predictions
+                    step_mtp_loss += to_local_scalar(mtp_share.detach())
                 loss = self.loss_fn(logits, batch.labels, global_tokens)
                 del logits  # the largest activation; free it before backward allocates gradients
-                loss.backward()
+                (loss + self.cfg.training.mtp_loss_weight * mtp_share if mtp else loss).backward()
             step_loss += to_local_scalar(loss.detach())
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss = sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh)
+        self.step_metrics = {"mtp/loss": sum_over(step_mtp_loss, self.loss_mesh)} if self.mtp_depth else {}
         if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
@@ -259,20 +273,23 @@ class Trainer:
             raise TrainingError(f"step {step}: {stop}")
         return True
 
-    def _to_device_and_shard(self, batch: Batch) -> Batch:
-        """The batch on the device; under context parallelism, each rank's head and tail chunks of every
-        sequence (document ids and positions sharded exactly like the tokens)."""
+    def _to_device_and_shard(self, batch: Batch, mtp_depth: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """The batch on the device, and with ``mtp_depth`` the multi-token prediction inputs (made from the whole
+        rows); under context parallelism, each rank's head and tail chunks of every sequence (document ids,
+        positions and the MTP inputs sharded exactly like the tokens)."""
         batch = Batch(*(t.to(self.device, non_blocking=True) for t in batch))
+        mtp = mtp_targets(batch, mtp_depth, self.masking.block_causal) if mtp_depth else {}
         if not self.parallel_dims.cp_enabled:
-            return batch
+            return batch, mtp
         cp_mesh = self.parallel_dims.submesh("cp")
         rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-        return Batch(*(shard_sequence(t, 1, rank, size) for t in batch))
+        return (Batch(*(shard_sequence(t, 1, rank, size) for t in batch)),
+                {name: shard_sequence(t, 2, rank, size) for name, t in mtp.items()})
 
     def _validation_batch_loss(self, model_parts: list[torch.nn.Module],
                                batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy and valid tokens of one validation batch on this rank (all stages summed)."""
-        batch = self._to_device_and_shard(batch)
+        batch, _ = self._to_device_and_shard(batch)
         inputs = self.masking.model_inputs(batch)
         with self.autocast(), loss_parallel_context(self.loss_parallel):
             if self.pipeline is None:
@@ -356,6 +373,7 @@ class Trainer:
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
             extra.update(self.guard.metrics())
+            extra.update({name: value.item() for name, value in self.step_metrics.items()})
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
             data_metrics = getattr(self.dataloader, "metrics", dict)()
             extra.update({f"data/{name}": n for name, n in data_metrics.items()})

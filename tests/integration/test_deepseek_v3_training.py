@@ -10,16 +10,20 @@ from tests.integration.parity import assert_same_steps, rows_of, train_matrix
 CONFIG = "train_configs/deepseek_v3_debug.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
           "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+NO_MTP = ["--model.mtp_depth", "0"]  # pipeline parallelism refuses multi-token prediction
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
     "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
+    "ep2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
+                    "--parallelism.tensor_parallel_degree", "2"]),
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
-    "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+    "single_no_mtp": (1, ["--training.local_batch_size", "8", *NO_MTP]),
     "ep2_pp2": (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.expert_parallel_degree", "2"]),
+                    "--parallelism.expert_parallel_degree", "2", *NO_MTP]),
 }
+REFERENCE = {name: "single_no_mtp" if NO_MTP[0] in flags else "single" for name, (_, flags) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +32,25 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("single")])
 def test_layout_matches_the_single_process(runs, layout):
-    reference = rows_of(runs, "single")
+    reference = rows_of(runs, REFERENCE[layout])
     assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
-    assert_same_steps(rows_of(runs, layout), reference)
+    rows = rows_of(runs, layout)
+    assert_same_steps(rows, reference)
+    if REFERENCE[layout] == "single":  # the multi-token prediction loss, reported beside the main one, too
+        assert [r["mtp/loss"] for r in rows] == pytest.approx([r["mtp/loss"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_trains_and_is_reported_apart(runs):
+    with_mtp, without = rows_of(runs, "single"), rows_of(runs, "single_no_mtp")
+    # The same weights and data: the next-token loss of the first step is the same number with or without MTP
+    # (its blocks only add a loss), and from then on the extra gradient makes the runs differ.
+    assert with_mtp[0]["loss"] == pytest.approx(without[0]["loss"], rel=1e-6)
+    assert with_mtp[0]["grad_norm"] != pytest.approx(without[0]["grad_norm"], rel=1e-3)
+    assert "mtp/loss" not in without[0]
+    assert all(math.isfinite(r["mtp/loss"]) for r in with_mtp) and with_mtp[-1]["mtp/loss"] < with_mtp[0]["mtp/loss"]
 
 
 @pytest.mark.slow

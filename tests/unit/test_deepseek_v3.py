@@ -212,10 +212,10 @@ def test_a_transformers_saved_checkpoint_imports_with_its_logits(tmp_path, flavo
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
 
 
-def test_tensor_parallel_is_refused_in_one_line_until_mla_has_a_plan():
+def test_tensor_parallel_needs_whole_heads_on_every_rank():
     from torchtitan.config import ConfigError, load_config
     from torchtitan.config.validation import validate_config
 
-    cfg, sources = load_config(["--job.config_file", CONFIG, "--parallelism.tensor_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="multi-head latent attention has no tensor-parallel plan yet"):
-        validate_config(cfg, sources, world_size=2)
+    cfg, sources = load_config(["--job.config_file", CONFIG, "--parallelism.tensor_parallel_degree", "8"])
+    with pytest.raises(ConfigError, match="n_heads 4 is not divisible by the tensor-parallel degree 8"):
+        validate_config(cfg, sources, world_size=8)

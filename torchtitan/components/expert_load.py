@@ -173,7 +173,8 @@ class ExpertLoadBalancer:
         """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums)."""
         self.cfg = cfg
         self.layers = moe_layers(model_parts)
-        self.n_layers = model_args.n_layers
+        # Multi-token prediction blocks follow the main ones (layer ids n_layers, ...).
+        self.n_layers = model_args.n_layers + getattr(model_args, "mtp_depth", 0)
         self.device = device
         self.data_mesh = parallel_dims.submesh("dp_cp")
         self.pp_mesh = parallel_dims.submesh("pp")

@@ -118,6 +118,7 @@ class MetricsLogger:
         fields = [
             ("step", f"{row['step']}", "\033[31m"),
             ("loss", f"{row['loss']:.4f}", "\033[32m"),
+            *([("mtp_loss", f"{row['mtp/loss']:.4f}", "\033[32m")] if "mtp/loss" in row else []),
             ("grad_norm", f"{row['grad_norm']:.4f}", "\033[33m"),
             ("lr", f"{row['lr']:.3e}", "\033[34m"),
             ("memory", f"{row['memory_gib']:.2f} GiB", "\033[36m"),

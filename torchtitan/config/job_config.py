@@ -66,6 +66,10 @@ class Model:
         "auto", "RoPE positions: global (0..seq_len-1 along the row) or per_document (restart at each document; "
         "one cut by the row's start counts from 0 there); auto: per_document for chat data, else global"
     )
+    mtp_depth: int | None = option(
+        None, "Multi-token prediction blocks trained after the main ones (deepseek_v3; block k predicts the token "
+        "k + 1 places ahead, as DeepSeek-V3 does with 1): unset = the flavor's, 0 = off"
+    )
     converters: list[str] = option([], "Model converters applied in order, e.g. float8")
     print_after_conversion: bool = option(False, "Print the model after converters ran")
 
@@ -172,6 +176,10 @@ class Training:
     loss_chunk_size: int = option(
         0, "Compute the output projection and cross-entropy over chunks of this many tokens, so the full logits "
         "never exist at once (0: the plain path)"
+    )
+    mtp_loss_weight: float = option(
+        0.3, "Weight of the multi-token prediction loss (mean over its depths) added to the main-token loss "
+        "(DeepSeek-V3: 0.3, then 0.1 late in training)"
     )
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")

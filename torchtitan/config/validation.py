@@ -158,6 +158,9 @@ def _check_model(c: _Checker) -> None:
     c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
                               hf_has_expert_bias=getattr(adapter, "hf_has_expert_bias", False),
                               changed_from_defaults=changed))
+    from torchtitan.components.multi_token_prediction import config_problems as mtp_problems
+
+    c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.parallelism, args))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

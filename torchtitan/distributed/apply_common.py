@@ -5,7 +5,10 @@ model of another shape applies its own tensor-parallel plan and then calls
 ``apply_ac_compile_and_data_parallel``, the model-independent rest (MoE layers included).
 """
 
+from collections.abc import Callable
+
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.config.job_config import JobConfig
@@ -15,15 +18,18 @@ from torchtitan.distributed.context_parallel import apply_context_parallel
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_moe_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
+from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp, grouped_query_attention_plan
 
 
-def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    """The TrainSpec.parallelize_fn of every shared-decoder family."""
+def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
+                        block_plan: Callable[[nn.Module], dict[str, ParallelStyle]] = grouped_query_attention_plan,
+                        ) -> nn.Module:
+    """The TrainSpec.parallelize_fn of every shared-decoder family (``block_plan``: see apply_decoder_tp)."""
     parallelism = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.submesh("tp")
-        apply_decoder_tp(model, tp_mesh, loss_parallel=not parallelism.disable_loss_parallel)
+        apply_decoder_tp(model, tp_mesh, loss_parallel=not parallelism.disable_loss_parallel,
+                         block_plan=block_plan)
         if parallelism.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
     return apply_ac_compile_and_data_parallel(model, parallel_dims, job_config)

@@ -1,11 +1,12 @@
 """Tensor parallelism: its config rules and the plan shared by the decoder families."""
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.config.job_config import Compile, Parallelism, Training
+from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
 
 
@@ -39,8 +41,11 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         }
     # A MoE takes the full sequence and returns partial sums over the TP ranks (each computes a slice of every
     # expert's hidden width; distributed/expert_parallel.py), reduce-scattered to sequence shards. Its shared
-    # experts leave their output partial too; the router stays whole on every rank.
+    # experts leave their output partial too; the router stays whole on every rank (it reads its weight as a
+    # local tensor; a replicated DTensor keeps every parameter of one kind, and its gradient is whole because
+    # the MoE sums the routing weights' gradients over the TP ranks).
     plan: dict[str, ParallelStyle] = {
+        "moe.router": ReplicatedParameters(),
         "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                         use_local_input=True, output_layouts=(Partial(),),
                                         desired_output_layouts=(Shard(1),), use_local_output=True),
@@ -76,11 +81,63 @@ def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[t
     return []
 
 
+def grouped_query_attention_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """The block's attention (models/decoder.py Attention): whole heads per rank, QK-norm where it has one."""
+    return {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        **(_QK_NORM_PLAN if getattr(block.attention, "q_norm", None) is not None else {}),
+    }
+
+
+class ReplicatedParallel(ParallelStyle):
+    """A module every TP rank computes whole, on the same whole input (e.g. a low-rank projection too small to
+    split). Its parameters become replicated DTensors, so optimizers, grad-norm clipping and FSDP see one kind
+    of parameter; its input and output stay plain tensors.
+
+    The gradient reaching its output must then be whole on every rank. Output channels from ``partial_grad_from``
+    on are used by each rank for its own heads only, so their gradient is a partial sum: it is summed over the
+    TP ranks in backward.
+    """
+
+    def __init__(self, partial_grad_from: int | None = None):
+        super().__init__()
+        self.partial_grad_from = partial_grad_from
+
+    def _input_fn(self, module, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor)
+                     and not isinstance(t, DTensor) else t for t in inputs)
+
+    def _output_fn(self, module, output, mesh):
+        output = output.to_local()
+        if self.partial_grad_from is None:
+            return output
+        whole, partial = output.split([self.partial_grad_from, output.shape[-1] - self.partial_grad_from], dim=-1)
+        return torch.cat([whole, sum_grad_over(partial, mesh.get_group())], dim=-1)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # No partition function: distribute_module replicates every parameter.
+        return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
+
+
+class ReplicatedParameters(ParallelStyle):
+    """Only turn the module's parameters into replicated DTensors, for a module that reads them as local
+    tensors and whose gradients are whole on every rank."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
-                     extra_block_plan: dict[str, ParallelStyle] | None = None) -> None:
+                     block_plan: Callable[[nn.Module], dict[str, ParallelStyle]] = grouped_query_attention_plan,
+                     ) -> None:
     """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
-    (tok_embeddings, layers.N.{attention_norm, attention.wq/wk/wv/wo, ffn_norm, feed_forward.w1/w2/w3 or moe},
-    norm, output), with QK-norm where the blocks have it; ``extra_block_plan`` adds a family's own modules.
+    (tok_embeddings, layers.N.{attention_norm, attention, ffn_norm, feed_forward.w1/w2/w3 or moe}, norm, output);
+    ``block_plan(block)`` splits a block's attention and anything else a family puts in its blocks (the default
+    is grouped-query attention's plan).
 
     Between blocks activations are sharded on the sequence dimension; each block gathers them for
     the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
@@ -106,15 +163,9 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            **block_plan(block),
             "ffn_norm": SequenceParallel(),
             **_feed_forward_plan(block),
-            **(_QK_NORM_PLAN if getattr(block.attention, "q_norm", None) is not None else {}),
-            **(extra_block_plan or {}),
         }
         parallelize_module(block, tp_mesh, plan)
     if hasattr(model, "tie_weights"):

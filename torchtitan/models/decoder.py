@@ -128,10 +128,17 @@ class Decoder(nn.Module):
         positions (e.g. restarting at each document), else 0, 1, 2, ... ``labels`` (batch, seq) go to an output
         head that computes the loss itself (ChunkedLinearCrossEntropy): it then returns the summed loss."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        documents = DocumentMask(document_ids, self.flex_block_mask) if document_ids is not None else None
+        documents = self._documents(document_ids)
         for layer in self.layers.values():
             h = layer(h, self.rope, documents=documents, positions=positions)
-        h = self.norm(h) if self.norm is not None else h
+        return self._head(self.norm(h) if self.norm is not None else h, labels)
+
+    def _documents(self, document_ids: torch.Tensor | None) -> DocumentMask | None:
+        return DocumentMask(document_ids, self.flex_block_mask) if document_ids is not None else None
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of normed hidden states (the loss, with labels); ``h`` itself on a stage
+        without it."""
         if self.output is None:
             return h
         return self.output(h) if labels is None else self.output(h, labels=labels)

@@ -8,8 +8,9 @@ from torchtitan.protocols.train_spec import TrainSpec
 
 
 def decoder_train_spec(flavors: dict[str, DecoderArgs], state_dict_adapter: type | None = None,
-                       model_cls: type[Decoder] = Decoder) -> TrainSpec:
+                       model_cls: type[Decoder] = Decoder, parallelize_fn=parallelize_decoder) -> TrainSpec:
     """The shared decoder (or a subclass with its own blocks) with every parallelism (TP with QK-norm, CP, AC,
-    compile, FSDP/HSDP/DDP, PP)."""
-    return TrainSpec(model_cls=model_cls, flavors=flavors, parallelize_fn=parallelize_decoder,
+    compile, FSDP/HSDP/DDP, PP); a family with its own attention passes parallelize_decoder with its attention
+    plan as ``parallelize_fn``."""
+    return TrainSpec(model_cls=model_cls, flavors=flavors, parallelize_fn=parallelize_fn,
                      pipelining_fn=build_pipeline, state_dict_adapter=state_dict_adapter)

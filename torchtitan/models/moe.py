@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.models.feed_forward import FeedForward
 
 
@@ -193,21 +194,6 @@ class _AddAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux_loss)
 
 
-class _SumGradOver(torch.autograd.Function):
-    """Identity forward; all-reduces the gradient over ``group`` (each rank holds a partial gradient)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _in_backward() -> bool:
     # Activation checkpointing re-runs the forward inside backward; that rerun must not count tokens twice.
     return torch._C._current_graph_task_id() != -1
@@ -281,8 +267,8 @@ class MoE(nn.Module):
             # Under tensor parallelism every rank routes all tokens alike and its experts hold a slice of
             # the hidden width, so each rank's expert outputs (and the gradients they send back) are
             # partial sums: the output is reduced by the caller, the gradients here.
-            routed_input = _SumGradOver.apply(tokens, self.tp_group)
-            weights = _SumGradOver.apply(weights, self.tp_group)
+            routed_input = sum_grad_over(tokens, self.tp_group)
+            weights = sum_grad_over(weights, self.tp_group)
         out = self._routed(routed_input, weights, indices, counts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

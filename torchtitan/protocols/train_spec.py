@@ -4,6 +4,7 @@ A custom model registers a spec under a new name (from its own package, imported
 ``--experimental.custom_import``) and is then selected with ``--model.name``.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -74,6 +75,17 @@ def registered_train_specs() -> list[str]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+def build_model_args(spec: TrainSpec, m: Model, tokenizer_vocab_size: int, seq_len: int, mtp: bool = True) -> Any:
+    """The flavor's args for this run: finalized for the tokenizer and sequence length, with ``model.mtp_depth``
+    applied where the family has multi-token prediction (an ``mtp_depth`` field); ``mtp=False`` builds without
+    those blocks (inference, which never runs them)."""
+    args = spec.flavors[m.flavor].finalize(tokenizer_vocab_size, seq_len)
+    if hasattr(args, "mtp_depth"):
+        depth = args.mtp_depth if m.mtp_depth is None else m.mtp_depth
+        args = dataclasses.replace(args, mtp_depth=depth if mtp else 0)
+    return args
+
+
 def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[tuple[str, str]], Any, Any]:
     """The first problem (full config key, reason) with the [model] section for this sequence length and
     layout, or [], with the TrainSpec and the finalized model args when they could be built (else None)."""
@@ -84,6 +96,11 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
     if m.flavor not in spec.flavors:
         return [("model.flavor", f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")], spec, None
     flavor = spec.flavors[m.flavor]
+    if m.mtp_depth is not None and m.mtp_depth < 0:
+        return [("model.mtp_depth", "is invalid; it must be >= 0 (0: off) or unset (the flavor's)")], spec, None
+    if m.mtp_depth and not hasattr(flavor, "mtp_depth"):
+        return [("model.mtp_depth", f"needs a model with multi-token prediction blocks, which model.name = "
+                                    f"{m.name!r} has not; valid: 0 or unset")], spec, None
     if bad := flavor.check():
         return [("model.flavor", f"has an invalid {bad[0][0]}: {bad[0][1]}")], spec, None
     if bad := flavor.check_tensor_parallel(p.tensor_parallel_degree):
@@ -100,7 +117,7 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
     except Exception as e:  # a corrupt tokenizer file must still give the one-line error
         return [("model.hf_assets_path",
                  f"holds a tokenizer that cannot be loaded: {type(e).__name__}: {e}")], spec, None
-    args = flavor.finalize(tokenizer_vocab, seq_len)
+    args = build_model_args(spec, m, tokenizer_vocab, seq_len)
     model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
     if model_vocab < tokenizer_vocab:
         return [("model.flavor", f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in "

@@ -13,7 +13,8 @@ the softmax scale multiplied by mscale(mscale_all_dim)^2), applied whatever the 
 
 Sources of the published numbers:
 - 671B: deepseek-ai/DeepSeek-V3 config.json (as the issue lists them; the same numbers appear in the
-  DeepSeek-V3 technical report, arXiv 2412.19437, section 4.2).
+  DeepSeek-V3 technical report, arXiv 2412.19437, section 4.2, which also gives its one multi-token prediction
+  module: num_nextn_predict_layers = 1, stored as model.layers.61).
 - 16B: moonshotai/Moonlight-16B-A3B, as THUDM/slime's Megatron script and NVIDIA Megatron-Bridge's Moonlight
   config state them (27 layers, hidden 2048, dense width 11264, 16 heads, 64 routed experts of width 1408 plus
   2 shared, top-6, one group, route scale 2.446, first layer dense, RMSNorm eps 1e-5, rope theta 50,000, no YaRN).
@@ -23,6 +24,8 @@ Sources of the published numbers:
   61 layers, hidden 7168, 64 heads, 384 experts + 1 shared, top-8, one group, first layer dense, route scale
   2.827, vocab 163,840, rope theta 50,000, YaRN factor 32; the MLA sizes, expert and dense widths are taken
   as DeepSeek-V3's.
+- Multi-token prediction: 16B and kimi_k2 are built without it (mtp_depth 0; whether their released checkpoints
+  carry MTP layers is NOT VERIFIED here); model.mtp_depth adds it to any flavor.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class DeepseekV3ModelArgs(DecoderArgs):
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     rope_convention: RopeConvention = "pairs"
+    mtp_depth: int = 0
+    """Multi-token prediction blocks after the main ones (block k predicts the token k + 1 places ahead)."""
     moe: MoEArgs | None = field(default_factory=lambda: MoEArgs(score_func="sigmoid", route_norm=True))
 
     @property
@@ -121,22 +126,24 @@ class DeepseekV3ModelArgs(DecoderArgs):
         if self.v_head_dim > self.head_dim:
             problems.append(("v_head_dim", f"{self.v_head_dim} must not exceed the query/key head size "
                                            f"{self.head_dim} (the attention kernels pad values up to it)"))
+        if self.mtp_depth < 0:
+            problems.append(("mtp_depth", f"{self.mtp_depth} must be >= 0 (0: no multi-token prediction)"))
         if self.rope_factor < 1:
             problems.append(("rope_factor", f"{self.rope_factor} must be >= 1 (1: no YaRN)"))
         return problems
 
-    def check_tensor_parallel(self, tp: int) -> list[tuple[str, str]]:
-        if tp > 1:
-            return [("attention", "multi-head latent attention has no tensor-parallel plan yet; keep "
-                                  "parallelism.tensor_parallel_degree = 1 (FSDP, expert, context and pipeline "
-                                  "parallelism shard it)")]
-        return []
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers + self.mtp_depth))
 
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
         # The matmuls: 6 per active weight. Attention scores use the query/key head size and the weighted sum
-        # the value head size: 6 * L * H * (qk + v) * seq for forward and backward.
-        attention = 6 * self.n_layers * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
-        return 6.0 * self.active_params(num_params_without_embedding) + attention
+        # the value head size: 6 * blocks * H * (qk + v) * seq for forward and backward. Each multi-token
+        # prediction block also runs the shared output head again (its weight is counted once).
+        blocks = self.n_layers + self.mtp_depth
+        attention = 6 * blocks * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        mtp_heads = 6 * self.mtp_depth * (self.vocab_size or 0) * self.dim
+        return 6.0 * self.active_params(num_params_without_embedding) + attention + mtp_heads
 
 
 DEEPSEEK_V3_VOCAB = 129280
@@ -170,7 +177,7 @@ deepseek_v3_flavors: dict[str, DeepseekV3ModelArgs] = {
         dim=7168, n_layers=61, n_heads=128, inter_dim=18432, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_dense_layers=3, vocab_size=DEEPSEEK_V3_VOCAB,
         norm_eps=1e-6, rope_theta=10000.0, rope_factor=40.0, original_seq_len=4096, beta_fast=32.0, beta_slow=1.0,
-        mscale=1.0, mscale_all_dim=1.0, moe=_v3_moe(),
+        mscale=1.0, mscale_all_dim=1.0, moe=_v3_moe(), mtp_depth=1,
     ),
     "kimi_k2": DeepseekV3ModelArgs(
         dim=7168, n_layers=61, n_heads=64, inter_dim=18432, q_lora_rank=1536, kv_lora_rank=512,

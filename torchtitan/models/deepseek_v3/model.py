@@ -10,7 +10,8 @@ Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1), per to
     out      = wo(attention(q, k, v, scale = softmax_scale))
 
 The attention kernels take the explicit softmax scale (YaRN's correction) and values narrower than the
-queries (models/attention.py). Everything else is the shared decoder's: blocks, MoE, norms, output.
+queries (models/attention.py). Everything else is the shared decoder's: blocks, MoE, norms, output; multi-token
+prediction adds blocks after the main ones (MultiTokenPredictionBlock).
 """
 
 import torch
@@ -66,16 +67,75 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
+class MultiTokenPredictionBlock(TransformerBlock):
+    """Multi-token prediction module k (DeepSeek-V3, arXiv 2412.19437, section 2.2), a block after the main ones.
+
+    At position i it combines the previous depth's hidden state h (the main model's last block output, before
+    its final norm, for k = 1) with the embedding of the token k places ahead, input_ids[i + k]:
+    eh_proj([enorm(embedding); hnorm(h)]), in the order the released checkpoints' eh_proj expects, then runs a
+    block like the main ones. Its own final norm (HF: shared_head.norm) feeds the shared output head; the
+    forward returns (hidden state for depth k + 1, normed hidden state), so the norm runs inside the block
+    (under FSDP its weights are only gathered there).
+    """
+
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module):
+        super().__init__(layer_id, dim, norm_eps, attention, feed_forward)
+        self.enorm = nn.RMSNorm(dim, eps=norm_eps)
+        self.hnorm = nn.RMSNorm(dim, eps=norm_eps)
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim, eps=norm_eps)
+
+    def forward(self, h: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
+                positions: torch.Tensor | None = None,
+                embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(h)], dim=-1))
+        h = super().forward(x, rope, documents=documents, positions=positions)
+        return h, self.norm(h)
+
+
 class DeepseekV3Model(Decoder):
-    """The shared decoder with MLA blocks; the first n_dense_layers blocks dense, the others MoE."""
+    """The shared decoder with MLA blocks; the first n_dense_layers blocks dense, the others MoE; then
+    ``mtp_depth`` multi-token prediction blocks (layers.{n_layers}, ...), run only when asked (training)."""
 
     args: DeepseekV3ModelArgs
+
+    def __init__(self, args: DeepseekV3ModelArgs):
+        super().__init__(args)
+        # In ``layers`` so that FSDP, activation checkpointing, compile and the expert-load balancer treat them
+        # as blocks; the names match the released checkpoints' model.layers.{n_layers + k}.
+        for layer_id in range(args.n_layers, args.n_layers + args.mtp_depth):
+            self.layers[str(layer_id)] = self._block(layer_id)
 
     def _block(self, layer_id: int) -> TransformerBlock:
         a = self.args
         ffn = MoE(a.dim, a.moe) if a.is_moe_layer(layer_id) else FeedForward(a.dim, a.ffn_hidden_dim)
-        return TransformerBlock(layer_id, a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
+        block = MultiTokenPredictionBlock if layer_id >= a.n_layers else TransformerBlock
+        return block(layer_id, a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
 
     def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
         # YaRN scales cos and sin by its attention factor (1 for the published flavors).
         return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device) * self.args.rope_attention_factor
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                mtp_tokens: torch.Tensor | None = None,
+                mtp_labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """As Decoder.forward; with ``mtp_tokens`` (batch, mtp_depth, seq), the token k places ahead of each
+        position for depth k (components/multi_token_prediction.py), it returns (main output, [the output of
+        each depth]): logits, or with ``labels`` the summed losses against ``mtp_labels`` (batch, depth, seq)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        documents = self._documents(document_ids)
+        main, extra = [], []
+        for name, block in self.layers.items():
+            (main if int(name) < self.args.n_layers else extra).append(block)
+        for block in main:
+            h = block(h, self.rope, documents=documents, positions=positions)
+        out = self._head(self.norm(h) if self.norm is not None else h, labels)
+        if mtp_tokens is None:
+            return out
+        predictions = []
+        for depth, block in enumerate(extra):
+            h, normed = block(h, self.rope, documents=documents, positions=positions,
+                              embeddings=self.tok_embeddings(mtp_tokens[:, depth]))
+            predictions.append(self._head(normed, None if labels is None else mtp_labels[:, depth]))
+        return out, predictions
