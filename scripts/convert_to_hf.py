@@ -28,6 +28,9 @@ def main() -> int:
                         help="a MoE whose Hugging Face format has no routing bias: drop the trained bias (the "
                              "largest value dropped is logged) instead of refusing (default: the config's "
                              "checkpoint.hf_drop_expert_bias)")
+    parser.add_argument("--include_mtp", action="store_true",
+                        help="also write the multi-token prediction blocks (default: the config's "
+                             "checkpoint.hf_include_mtp)")
     args = parser.parse_args()
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
@@ -43,6 +46,12 @@ def main() -> int:
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
     adapter = spec.state_dict_adapter(model.args)
     adapter.drop_expert_bias = args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias
+    if args.include_mtp or cfg.checkpoint.hf_include_mtp:
+        if not getattr(model.args, "mtp_depth", 0):
+            print(f"error: --include_mtp: the model of {args.config} has no multi-token prediction blocks "
+                  "(model.mtp_depth)", file=sys.stderr)
+            return 2
+        adapter.include_mtp = True
     try:
         count = write_hf_folder(args.output, model.state_dict(), adapter, tokenizer, cfg.model.hf_assets_path,
                                 dtype_name)

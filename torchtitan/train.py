@@ -204,6 +204,8 @@ class Trainer:
             return None
         adapter = spec.state_dict_adapter(self.model_args)
         adapter.drop_expert_bias = self.cfg.checkpoint.hf_drop_expert_bias
+        if self.cfg.checkpoint.hf_include_mtp:
+            adapter.include_mtp = True
         return adapter
 
     @staticmethod

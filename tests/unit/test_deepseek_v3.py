@@ -1,5 +1,6 @@
 """DeepSeek-V3: multi-head latent attention against a plain reference, YaRN, flavors, Hugging Face both ways."""
 
+import dataclasses
 import json
 import math
 
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 import transformers
 
 from torchtitan.data import build_tokenizer
-from torchtitan.hf_checkpoint import write_hf_folder
-from torchtitan.inference import load_model
+from torchtitan.config import load_config
+from torchtitan.hf_checkpoint import read_hf_model_state, read_safetensors, write_hf_folder
+from torchtitan.inference import build_model, load_hf_weights, load_model
 from torchtitan.models.attention import DocumentMask, attend
 from torchtitan.models.deepseek_v3 import DeepseekV3StateDictAdapter, MultiHeadLatentAttention, deepseek_v3_flavors
 from torchtitan.models.rope import rope_table
@@ -150,12 +152,26 @@ def test_yarn_frequencies_match_transformers():
 def test_published_sizes(flavor, total, active, tolerance):
     from torchtitan.models.deepseek_v3 import DeepseekV3Model
 
-    args = deepseek_v3_flavors[flavor].finalize(2048, 4096)
+    # The published totals leave out the multi-token prediction module.
+    args = dataclasses.replace(deepseek_v3_flavors[flavor], mtp_depth=0).finalize(2048, 4096)
     with torch.device("meta"):
         model = DeepseekV3Model(args)
     assert count_params(model) == pytest.approx(total, rel=tolerance)
     active_ours = args.active_params(count_params(model, exclude_embedding=True)) + args.vocab_size * args.dim
     assert active_ours == pytest.approx(active, rel=tolerance)
+
+
+def test_the_671b_multi_token_prediction_module_has_its_published_size():
+    from torchtitan.models.deepseek_v3 import DeepseekV3Model
+
+    # The released checkpoint: 685B = 671B main model + 14B MTP module, whose 14B count its copies of the
+    # embedding and output head (ours shares them).
+    args = deepseek_v3_flavors["671B"].finalize(2048, 4096)
+    with torch.device("meta"):
+        with_mtp, without = DeepseekV3Model(args), DeepseekV3Model(dataclasses.replace(args, mtp_depth=0))
+    assert args.mtp_depth == 1
+    mtp = count_params(with_mtp) - count_params(without) + 2 * args.vocab_size * args.dim
+    assert mtp == pytest.approx(14e9, rel=0.05)
 
 
 # ----- Hugging Face -----
@@ -210,6 +226,55 @@ def test_a_transformers_saved_checkpoint_imports_with_its_logits(tmp_path, flavo
     tokens = torch.randint(0, 2048, (2, 48))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_multi_token_prediction_blocks_go_to_hugging_face_only_when_asked_and_come_back(tmp_path):
+    cfg, _ = load_config(["--job.config_file", CONFIG, "--debug.seed", str(torch.randint(0, 1000, ()).item())])
+    model, spec = build_model(cfg)  # CONFIG trains one MTP block: layers.4
+    n = model.args.n_layers
+    assert model.args.mtp_depth == 1 and str(n) in model.layers
+    with torch.no_grad():
+        for layer in model.layers.values():
+            if layer.moe_enabled:
+                layer.moe.router.gate.weight.normal_(0, 1.0)
+                layer.moe.expert_bias.uniform_(-0.05, 0.05)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    tokenizer = build_tokenizer("assets/tokenizer")
+
+    plain = DeepseekV3StateDictAdapter(model.args)
+    write_hf_folder(tmp_path / "plain", state, plain, tokenizer, "assets/tokenizer", "float32")
+    assert not any(name.startswith(f"model.layers.{n}.") for name in read_safetensors(tmp_path / "plain"))
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+    adapter = DeepseekV3StateDictAdapter(model.args)
+    adapter.include_mtp = True
+    write_hf_folder(tmp_path / "mtp", state, adapter, tokenizer, "assets/tokenizer", "float32")
+    written = read_safetensors(tmp_path / "mtp")
+    # DeepSeek-V3's released layout: a decoder layer plus the MTP tensors, with copies of the shared ends.
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.{n}.{name}" in written, name
+    assert torch.equal(written[f"model.layers.{n}.embed_tokens.weight"], written["model.embed_tokens.weight"])
+    assert torch.equal(written[f"model.layers.{n}.shared_head.head.weight"], written["lm_head.weight"])
+    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    # transformers runs the main model only, with our logits.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "mtp"), dtype=torch.float32).eval()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 40))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+    # Back into a model with MTP: every tensor as it was; into one without (inference): the blocks are skipped.
+    back = read_hf_model_state(tmp_path / "mtp", DeepseekV3StateDictAdapter(model.args))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[name], state[name]) for name in state)
+    inference = load_model(CONFIG, str(tmp_path / "mtp"))
+    assert len(inference.layers) == n
+    with torch.no_grad():
+        assert torch.equal(inference(tokens), model(tokens))
+    # A file without the blocks does not fill a model that trains them.
+    fresh, _ = build_model(cfg)
+    with pytest.raises(Exception, match=f"missing.*layers.{n}"):
+        load_hf_weights(fresh, spec, tmp_path / "plain")
 
 
 def test_tensor_parallel_needs_whole_heads_on_every_rank():

@@ -16,15 +16,19 @@ from typing import Any
 import torch
 
 from torchtitan.components.loss import IGNORE_INDEX, LossFn, count_valid_tokens
-from torchtitan.config.job_config import Model, Parallelism, Training
+from torchtitan.config.job_config import Checkpoint, Model, Parallelism, Training
 from torchtitan.data.dataset import Batch
 
 DEFAULT_LOSS_WEIGHT = Training.mtp_loss_weight
 
 
-def config_problems(model: Model, training: Training, parallelism: Parallelism, args: Any) -> list[tuple[str, str]]:
+def config_problems(model: Model, training: Training, parallelism: Parallelism, checkpoint: Checkpoint,
+                    args: Any) -> list[tuple[str, str]]:
     """(full key, reason) for multi-token prediction as configured; ``args`` are the run's model args."""
     depth = getattr(args, "mtp_depth", 0)
+    if depth == 0 and checkpoint.hf_include_mtp:
+        return [("checkpoint.hf_include_mtp", "exports multi-token prediction blocks, but this model has none; "
+                                              "set model.mtp_depth or leave it false")]
     which = "model.mtp_depth" if model.mtp_depth is not None else f"model.flavor {model.flavor!r} (mtp_depth {depth})"
     if training.mtp_loss_weight < 0:
         return [("training.mtp_loss_weight", "is invalid; it must be >= 0")]

@@ -272,6 +272,9 @@ class Checkpoint:
     hf_drop_expert_bias: bool = option(
         False, "Hugging Face exports of a MoE whose format has no routing bias drop the trained expert bias "
         "(the largest value dropped is logged) instead of refusing")
+    hf_include_mtp: bool = option(
+        False, "Hugging Face exports also hold the multi-token prediction blocks, as model.layers.{n_layers + k}.* "
+        "(DeepSeek-V3's released layout; transformers does not run them); else they are left out")
 
 
 @dataclass

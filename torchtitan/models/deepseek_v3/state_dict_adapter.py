@@ -4,13 +4,31 @@ MLA's projections keep their layout: the released checkpoints store the rotary c
 as our "pairs" RoPE rotates them (config rope_interleave = true), so nothing is permuted. The router is
 ``mlp.gate`` with its routing bias ``mlp.gate.e_score_correction_bias``; shared experts are
 ``mlp.shared_experts``; the stacked experts split into per-expert projections (the shared adapter does that).
-Multi-token prediction layers (model.layers.{n_layers}.*) are not read or written yet.
+
+Multi-token prediction blocks are model.layers.{n_layers + k}.* as DeepSeek-V3 releases them: a decoder layer's
+tensors plus enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding (embed_tokens) and output head
+(shared_head.head), which our blocks share with the main model. transformers does not run them. Exports leave them
+out unless ``include_mtp`` (checkpoint.hf_include_mtp); imports read those the model has and skip the others.
 """
 
+import re
 from typing import ClassVar
+
+import torch
 
 from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
+
+
+_OUR_LAYER = re.compile(r"^layers\.(\d+)\.")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# An MTP layer's copies of the shared embedding and output head.
+_MTP_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")
+
+
+def _layer_of(name: str, pattern: re.Pattern) -> int | None:
+    match = pattern.match(name)
+    return int(match.group(1)) if match else None
 
 
 class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
@@ -30,8 +48,36 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
         "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
         "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
         "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight",
+        "norm.weight": "shared_head.norm.weight",
     }
     args: DeepseekV3ModelArgs
+
+    def __init__(self, args: DeepseekV3ModelArgs):
+        super().__init__(args)
+        self.include_mtp = False  # set by the exporter from checkpoint.hf_include_mtp
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        n = self.args.n_layers
+        mtp_layers = sorted({layer for name in state if (layer := _layer_of(name, _OUR_LAYER)) is not None
+                             and layer >= n})
+        if not self.include_mtp:
+            state = {name: t for name, t in state.items() if (_layer_of(name, _OUR_LAYER) or 0) < n}
+        out = super().to_hf(state)
+        if self.include_mtp:
+            for layer in mtp_layers:
+                # Copies: the released files store them per MTP layer (and safetensors refuses shared storage).
+                out[f"model.layers.{layer}.embed_tokens.weight"] = state["tok_embeddings.weight"].clone()
+                out[f"model.layers.{layer}.shared_head.head.weight"] = state["output.weight"].clone()
+        return out
+
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        wanted = self.args.n_layers + self.args.mtp_depth
+        skipped = {name for name in state if (layer := _layer_of(name, _HF_LAYER)) is not None and
+                   (layer >= wanted or name.endswith(_MTP_COPIES) and layer >= self.args.n_layers)}
+        return super().from_hf({name: t for name, t in state.items() if name not in skipped})
 
     def _rope_heads(self, name: str) -> int | None:
         return None  # interleaved on both sides
@@ -63,7 +109,7 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
             "first_k_dense_replace": a.n_dense_layers,
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": a.mtp_depth if self.include_mtp else 0,
         }
         if a.rope_factor > 1:
             config["rope_scaling"] = {
