@@ -14,6 +14,8 @@ NO_MTP = ["--model.mtp_depth", "0"]  # pipeline parallelism refuses multi-token 
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
+    # Every depth's loss through the chunked output head.
+    "chunked_loss": (1, ["--training.local_batch_size", "8", "--training.loss_chunk_size", "96"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
     "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
     "ep2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",

@@ -199,6 +199,12 @@ def test_mtp_loss_weight_without_mtp_is_refused():
         check(["--training.mtp_loss_weight", "0.5"], config=LLAMA_CONFIG)
 
 
+def test_exporting_mtp_blocks_a_model_does_not_have_is_refused():
+    with pytest.raises(ConfigError, match=r"checkpoint\.hf_include_mtp = True exports multi-token prediction blocks"):
+        check(["--checkpoint.hf_include_mtp", "--model.mtp_depth", "0"])
+    check(["--checkpoint.hf_include_mtp"])  # the preset trains one block
+
+
 def test_build_model_leaves_the_mtp_blocks_out_only_when_asked():
     cfg, _ = load_config(["--job.config_file", CONFIG, "--debug.seed", str(random_seed())])
     with_mtp, _ = build_model(cfg, mtp=True)

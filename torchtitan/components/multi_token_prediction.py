@@ -26,21 +26,21 @@ def config_problems(model: Model, training: Training, parallelism: Parallelism, 
                     args: Any) -> list[tuple[str, str]]:
     """(full key, reason) for multi-token prediction as configured; ``args`` are the run's model args."""
     depth = getattr(args, "mtp_depth", 0)
+    # The key to name: model.mtp_depth when set, else the flavor whose depth it is.
+    key, what = ("model.mtp_depth", "") if model.mtp_depth is not None else ("model.flavor", f"(mtp_depth {depth}) ")
     if depth == 0 and checkpoint.hf_include_mtp:
         return [("checkpoint.hf_include_mtp", "exports multi-token prediction blocks, but this model has none; "
                                               "set model.mtp_depth or leave it false")]
-    which = "model.mtp_depth" if model.mtp_depth is not None else f"model.flavor {model.flavor!r} (mtp_depth {depth})"
     if training.mtp_loss_weight < 0:
         return [("training.mtp_loss_weight", "is invalid; it must be >= 0")]
     if depth == 0 and training.mtp_loss_weight != DEFAULT_LOSS_WEIGHT:
         return [("training.mtp_loss_weight", "weighs a multi-token prediction loss, but this model trains none; "
                                              "set model.mtp_depth or leave the weight unset")]
     if depth and parallelism.pipeline_parallel_degree > 1:
-        return [("model.mtp_depth" if model.mtp_depth is not None else "model.flavor",
-                 f"trains multi-token prediction ({which}), which pipeline parallelism does not support yet (its "
-                 "blocks need the first stage's token embeddings on the last); set model.mtp_depth = 0")]
+        return [(key, f"{what}trains multi-token prediction, which pipeline parallelism does not support yet (its "
+                      "blocks need the first stage's token embeddings on the last); set model.mtp_depth = 0")]
     if depth >= training.seq_len:
-        return [("model.mtp_depth", f"{depth} leaves nothing to predict in training.seq_len = {training.seq_len}")]
+        return [(key, f"{what}leaves nothing to predict in training.seq_len = {training.seq_len}")]
     return []
 
 

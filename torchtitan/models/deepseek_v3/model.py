@@ -133,6 +133,9 @@ class DeepseekV3Model(Decoder):
         out = self._head(self.norm(h) if self.norm is not None else h, labels)
         if mtp_tokens is None:
             return out
+        if mtp_tokens.shape[1] != len(extra) or (labels is not None and mtp_labels is None):
+            raise ValueError(f"multi-token prediction needs mtp_tokens for its {len(extra)} depths (got "
+                             f"{mtp_tokens.shape[1]}), and mtp_labels with labels")
         predictions = []
         for depth, block in enumerate(extra):
             h, normed = block(h, self.rope, documents=documents, positions=positions,
