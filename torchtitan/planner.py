@@ -52,7 +52,7 @@ class ModelShape:
     """Exact parameter counts and the dimensions activations scale with."""
 
     dim: int
-    n_layers: int
+    n_layers: int  # blocks, multi-token prediction blocks included
     n_heads: int
     q_dim: int  # n_heads x head_dim
     kv_dim: int  # kv_heads x head_dim
@@ -73,6 +73,8 @@ class ModelShape:
     expert_dim: int = 0
     shared_dim: int = 0
     routed_params: int = 0
+    mtp_blocks: int = 0  # of n_layers, the multi-token prediction blocks (on the last pipeline stage)
+    tied: bool = False  # the output head is the embedding table
 
     @property
     def routed_params_per_block(self) -> float:
@@ -128,7 +130,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     args = build_model_args(spec, cfg.model, vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    # Multi-token prediction blocks are planned as blocks (their extra output-head pass is not counted).
+    # Multi-token prediction blocks are planned as blocks (their extra output-head passes are not counted).
     blocks = list(model.layers.values())
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
@@ -146,6 +148,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
+        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings,
     )
 
 
@@ -230,13 +233,15 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
         return [PipelineRank(m.n_layers, first=True, last=True, saved_blocks=m.n_layers, head_in_flight=1)]
     from torchtitan.distributed import pipeline_parallel as pipe  # imports torch.distributed.pipelining
 
+    main = m.n_layers - m.mtp_blocks  # the blocks the stages split; MTP blocks join the last stage
     try:
-        placement = pipe.stage_placement(p, m.n_layers)
+        placement = pipe.stage_placement(p, main)
         num_stages = sum(len(stages) for stages in placement.values())
-        names = pipe.stage_module_names(p, m.n_layers, num_stages)
+        names = pipe.stage_module_names(p, main, num_stages)
     except ValueError as e:
         raise PlanError(f"parallelism.pipeline_parallel_degree = {layout.pp} cannot be laid out: {e}") from None
     stage_blocks = [sum(name.startswith("layers.") for name in stage) for stage in names]
+    stage_blocks[-1] += m.mtp_blocks
     n_mb = max(1, cfg.training.local_batch_size // p.pipeline_parallel_microbatch_size)
     all_forwards_first = bool(p.pipeline_parallel_schedule_csv) or p.pipeline_parallel_schedule in ALL_FORWARDS_FIRST
     ranks = []
@@ -267,6 +272,8 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
     outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
     head_params = (m.embedding_params if rank.first else 0) + (outside_blocks - m.embedding_params if rank.last else 0)
+    if rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied):
+        head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
     grads = params_local * s

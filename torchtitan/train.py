@@ -106,10 +106,7 @@ class Trainer:
             self.pipeline = spec.pipelining_fn(
                 model, cfg.parallelism, self.parallel_dims.submesh("pp"), self.device,
                 n_microbatches=training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size,
-                prepare_part=prepare,
-                # Validation runs the schedule without loss_kwargs: divided by 1, the loss is the summed CE.
-                loss_fn=lambda logits, labels, global_valid_tokens=1.0: self.loss_fn(logits, labels,
-                                                                                     global_valid_tokens),
+                prepare_part=prepare, loss_fn=self._pipeline_loss,
             )
             self.model_parts = self.pipeline.model_parts
         else:
@@ -232,14 +229,17 @@ class Trainer:
         for index, (batch, mtp) in enumerate(prepared):
             if self.pipeline is not None:
                 # The pipeline stage syncs its gradients itself at the end of every schedule step.
-                step_loss += self._pipeline_forward_backward(batch, global_tokens)
+                main, extra = self._pipeline_forward_backward(batch, global_tokens, mtp,
+                                                              global_targets if mtp else None)
+                step_loss += main
+                step_mtp_loss += extra
                 continue
             set_gradient_sync(self.model_parts, last_microbatch=index == len(prepared) - 1)
             with self.autocast():
                 logits = self.model_parts[0](batch.input_ids, **self.masking.model_inputs(batch), **mtp)
             with loss_parallel_context(self.loss_parallel):
                 if mtp:
-                    logits, predictions = logits
+                    logits, *predictions = logits
                     mtp_share = mtp_loss(self.loss_fn, predictions, mtp["mtp_labels"], global_targets)
                     del predictions
                     step_mtp_loss += to_local_scalar(mtp_share.detach())
@@ -249,10 +249,16 @@ class Trainer:
             step_loss += to_local_scalar(loss.detach())
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh)
+        shared = self.pipeline.shared_embedding if self.pipeline is not None else None
+        if shared is not None:
+            shared.sum_gradients()  # the embedding's copies on the first and last stages
+        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh,
+                                    counted_elsewhere=shared.counted_elsewhere if shared is not None else ())
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss = sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh)
-        self.step_metrics = {"mtp/loss": sum_over(step_mtp_loss, self.loss_mesh)} if self.mtp_depth else {}
+        self.step_metrics = {}
+        if self.mtp_depth:
+            self.step_metrics["mtp/loss"] = sum_over(sum_over(step_mtp_loss, pp_mesh), self.loss_mesh)
         if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
@@ -305,19 +311,46 @@ class Trainer:
                 loss = sum_over(loss, self.parallel_dims.submesh("pp"))
         return loss, count_valid_tokens(batch.labels)
 
-    def _pipeline_forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
-        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its loss sum.
-        Document ids and positions go to every stage as keyword arguments, split like the tokens."""
+    def _pipeline_forward_backward(self, batch: Batch, global_tokens: torch.Tensor, mtp: dict[str, torch.Tensor],
+                                   global_targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its (next-token, MTP)
+        loss sums. Document ids, positions and the MTP inputs go to every stage as keyword arguments, split like
+        the tokens; with MTP the target stacks the labels and each depth's, (batch, 1 + depth, seq)."""
         pipe = self.pipeline
         losses = [] if pipe.has_last_stage else None
         inputs = (batch.input_ids,) if pipe.has_first_stage else ()
+        target = None
+        if pipe.has_last_stage:
+            target = torch.cat([batch.labels[:, None], mtp["mtp_labels"]], dim=1) if mtp else batch.labels
+        loss_kwargs = {"global_valid_tokens": global_tokens}
+        if mtp:
+            loss_kwargs["mtp_targets"] = global_targets
+        self._pipeline_losses = []
         with self.autocast(), loss_parallel_context(self.loss_parallel):
-            pipe.schedule.step(*inputs, target=batch.labels if pipe.has_last_stage else None, losses=losses,
-                               loss_kwargs={"global_valid_tokens": global_tokens}, return_outputs=False,
-                               **self.masking.model_inputs(batch))
+            pipe.schedule.step(*inputs, target=target, losses=losses, loss_kwargs=loss_kwargs, return_outputs=False,
+                               **self.masking.model_inputs(batch), **mtp)
+        zero = torch.zeros((), device=self.device)
         if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([to_local_scalar(loss.detach()) for loss in losses]).sum()
+            return zero, zero
+        if mtp:
+            # The schedule may also call the loss once while it sets its stages up (first step): only the last
+            # len(losses) calls are the micro-batches'.
+            main, extra = torch.stack(self._pipeline_losses[-len(losses):]).sum(0)
+            return main, extra
+        return torch.stack([to_local_scalar(loss.detach()) for loss in losses]).sum(), zero
+
+    def _pipeline_loss(self, output, target: torch.Tensor, global_valid_tokens=1.0,
+                       mtp_targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss the schedule computes on the last stage. Validation runs it without loss_kwargs: divided by 1,
+        the summed cross-entropy. With multi-token prediction (``mtp_targets``: each depth's valid targets in the
+        step) the output holds each depth's too; the parts are kept for the step's metrics."""
+        if mtp_targets is None:
+            return self.loss_fn(output, target, global_valid_tokens)
+        logits, *predictions = output
+        main = self.loss_fn(logits, target[:, 0], global_valid_tokens)
+        extra = mtp_loss(self.loss_fn, predictions, target[:, 1:], mtp_targets)
+        self._pipeline_losses.append(torch.stack([to_local_scalar(main.detach()), to_local_scalar(extra.detach())]))
+        return main + self.cfg.training.mtp_loss_weight * extra
 
     @property
     def step(self) -> int:

@@ -121,3 +121,9 @@ def rows_of(results: dict[str, list[dict] | str], name: str) -> list[dict]:
     rows = results[name]
     assert isinstance(rows, list), rows
     return rows
+
+
+def embedding_copies(folder: Path, nproc: int) -> list[list[dict]]:
+    """Per step, every rank's fingerprints of its token-embedding copies (shared_embedding_worker.py)."""
+    ranks = [json.loads((folder / f"embedding-rank{rank}.json").read_text()) for rank in range(nproc)]
+    return [[copy for rank in ranks for copy in rank[step]] for step in range(len(ranks[0]))]

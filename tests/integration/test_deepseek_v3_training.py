@@ -5,12 +5,12 @@ import math
 
 import pytest
 
-from tests.integration.parity import assert_same_steps, rows_of, train_matrix
+from tests.integration.parity import assert_same_steps, embedding_copies, rows_of, train_matrix
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
           "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
-NO_MTP = ["--model.mtp_depth", "0"]  # pipeline parallelism refuses multi-token prediction
+EMBEDDING_WORKER = "tests.integration.shared_embedding_worker:main"
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
@@ -21,27 +21,46 @@ LAYOUTS = {
     "ep2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2",
                     "--parallelism.tensor_parallel_degree", "2"]),
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
-    "single_no_mtp": (1, ["--training.local_batch_size", "8", *NO_MTP]),
+    # The last stage runs the MTP block with its own copy of the embedding (kept equal to the first stage's).
     "ep2_pp2": (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.expert_parallel_degree", "2", *NO_MTP]),
+                    "--parallelism.expert_parallel_degree", "2"], EMBEDDING_WORKER),
+    "single_no_mtp": (1, ["--training.local_batch_size", "8", "--model.mtp_depth", "0"]),
 }
-REFERENCE = {name: "single_no_mtp" if NO_MTP[0] in flags else "single" for name, (_, flags) in LAYOUTS.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return train_matrix(tmp_path_factory.mktemp("deepseek_v3"), LAYOUTS, config=CONFIG, common=COMMON)
+def matrix(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("deepseek_v3")
+    return folder, train_matrix(folder, LAYOUTS, config=CONFIG, common=COMMON)
+
+
+@pytest.fixture(scope="module")
+def runs(matrix):
+    return matrix[1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("single")])
 def test_layout_matches_the_single_process(runs, layout):
-    reference = rows_of(runs, REFERENCE[layout])
+    reference = rows_of(runs, "single")
     assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
     rows = rows_of(runs, layout)
     assert_same_steps(rows, reference)
-    if REFERENCE[layout] == "single":  # the multi-token prediction loss, reported beside the main one, too
-        assert [r["mtp/loss"] for r in rows] == pytest.approx([r["mtp/loss"] for r in reference], rel=1e-4)
+    # The multi-token prediction loss, reported beside the main one, too.
+    assert [r["mtp/loss"] for r in rows] == pytest.approx([r["mtp/loss"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_pipelines_two_embedding_copies_stay_identical(matrix):
+    folder, runs = matrix
+    rows_of(runs, "ep2_pp2")
+    steps = embedding_copies(folder / "ep2_pp2", nproc=4)
+    assert len(steps) == 6
+    for copies in steps:
+        # Two pipelines (the FSDP/EP pairs), each with a first- and a last-stage copy: four, all one tensor.
+        assert sorted(c["first"] for c in copies) == [False, False, True, True]
+        assert len({c["sha"] for c in copies}) == 1
+    assert steps[0][0]["sha"] != steps[-1][0]["sha"]  # and they trained
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def test_mtp_forward_matches_the_reference():
     batch = random_batch(rows=2, seq=SEQ)
     mtp = mtp_targets(batch, 2, block_causal=False)
     with torch.no_grad():
-        main, depths = model(batch.input_ids, **mtp)
+        main, *depths = model(batch.input_ids, **mtp)
         ref_main, ref_depths = reference_forward(model, batch.input_ids, mtp["mtp_tokens"])
         plain = model(batch.input_ids)  # without mtp_tokens: the main logits only
     assert len(depths) == 2
@@ -157,9 +157,9 @@ def test_chunked_loss_head_sums_each_depth_like_the_plain_logits():
     batch = random_batch(rows=2, seq=SEQ)
     mtp = mtp_targets(batch, 2, block_causal=False)
     with torch.no_grad():
-        main_logits, depth_logits = model(batch.input_ids, **mtp)
+        main_logits, *depth_logits = model(batch.input_ids, **mtp)
         use_chunked_loss(model, chunk_size=7)  # a chunk size that does not divide the 48 tokens
-        main_sum, depth_sums = model(batch.input_ids, labels=batch.labels, **mtp)
+        main_sum, *depth_sums = model(batch.input_ids, labels=batch.labels, **mtp)
 
     def summed_ce(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -177,11 +177,8 @@ def check(overrides: list[str], world_size: int = 1, config: str = CONFIG) -> No
     validate_config(cfg, sources, world_size=world_size)
 
 
-def test_pipeline_parallelism_refuses_mtp_until_it_is_turned_off():
-    pp = ["--parallelism.pipeline_parallel_degree", "2"]
-    with pytest.raises(ConfigError, match=r"model\.mtp_depth = 1 .*pipeline parallelism does not support"):
-        check(pp, world_size=2)
-    check([*pp, "--model.mtp_depth", "0"], world_size=2)
+def test_pipeline_parallelism_takes_mtp():
+    check(["--parallelism.pipeline_parallel_degree", "2"], world_size=2)
 
 
 def test_mtp_depth_on_a_model_without_mtp_blocks_is_refused():

@@ -90,11 +90,37 @@ def test_unknown_stage_module_names_and_csv_rows(tmp_path):
         validate_config(*config("--parallelism.pipeline_parallel_schedule_csv", str(csv)), world_size=2)
 
 
-def test_tied_embeddings_cannot_be_pipelined():
+def test_mtp_blocks_and_an_embedding_copy_go_to_the_last_stage():
+    import dataclasses
+
+    import torch
+
+    from torchtitan.distributed.pipeline_parallel import keep_only, model_stage_names
+    from torchtitan.models.deepseek_v3 import DeepseekV3Model, deepseek_v3_flavors
+
+    cfg, _ = config()
+    args = dataclasses.replace(deepseek_v3_flavors["debug"], mtp_depth=2).finalize(256, 32)
+    with torch.device("meta"):
+        model = DeepseekV3Model(args)
+    names, shared = model_stage_names(model, cfg.parallelism, 2)
+    assert shared
+    assert names == [["tok_embeddings", "layers.0", "layers.1"],
+                     ["layers.2", "layers.3", "norm", "output", "layers.4", "layers.5", "tok_embeddings"]]
+    last = keep_only(model, names[1], first=False)
+    assert list(last.layers) == ["2", "3", "4", "5"] and last.tok_embeddings is not None and not last.embeds_input
+    assert keep_only(model, names[0], first=True).embeds_input
+    # Without MTP (and untied) nothing is shared; one stage holds everything.
+    with torch.device("meta"):
+        plain = DeepseekV3Model(dataclasses.replace(args, mtp_depth=0))
+    assert model_stage_names(plain, cfg.parallelism, 2) == (
+        [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]], False)
+
+
+def test_tied_embeddings_can_be_pipelined():
+    # The last stage keeps its own copy of the embedding for the tied output head (SharedEmbedding).
     cfg, sources = load_config(["--job.config_file", "train_configs/qwen3_debug.toml", "--model.flavor", "0.6B",
                                 "--parallelism.pipeline_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="ties the embedding and output weights"):
-        validate_config(cfg, sources, world_size=2)
+    validate_config(cfg, sources, world_size=2)
 
 
 @pytest.mark.parametrize("stages, message", [

@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from torchtitan.components.loss import IGNORE_INDEX, LossFn, count_valid_tokens
-from torchtitan.config.job_config import Checkpoint, Model, Parallelism, Training
+from torchtitan.config.job_config import Checkpoint, Model, Training
 from torchtitan.data.dataset import Batch
 
 DEFAULT_LOSS_WEIGHT = Training.mtp_loss_weight
 
 
-def config_problems(model: Model, training: Training, parallelism: Parallelism, checkpoint: Checkpoint,
-                    args: Any) -> list[tuple[str, str]]:
+def config_problems(model: Model, training: Training, checkpoint: Checkpoint, args: Any) -> list[tuple[str, str]]:
     """(full key, reason) for multi-token prediction as configured; ``args`` are the run's model args."""
     depth = getattr(args, "mtp_depth", 0)
     # The key to name: model.mtp_depth when set, else the flavor whose depth it is.
@@ -36,9 +35,6 @@ def config_problems(model: Model, training: Training, parallelism: Parallelism, 
     if depth == 0 and training.mtp_loss_weight != DEFAULT_LOSS_WEIGHT:
         return [("training.mtp_loss_weight", "weighs a multi-token prediction loss, but this model trains none; "
                                              "set model.mtp_depth or leave the weight unset")]
-    if depth and parallelism.pipeline_parallel_degree > 1:
-        return [(key, f"{what}trains multi-token prediction, which pipeline parallelism does not support yet (its "
-                      "blocks need the first stage's token embeddings on the last); set model.mtp_depth = 0")]
     if depth >= training.seq_len:
         return [(key, f"{what}leaves nothing to predict in training.seq_len = {training.seq_len}")]
     return []

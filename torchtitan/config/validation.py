@@ -160,7 +160,7 @@ def _check_model(c: _Checker) -> None:
                               changed_from_defaults=changed))
     from torchtitan.components.multi_token_prediction import config_problems as mtp_problems
 
-    c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.parallelism, c.cfg.checkpoint, args))
+    c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.checkpoint, args))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

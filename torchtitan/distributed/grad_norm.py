@@ -8,18 +8,22 @@ from torchtitan.distributed.collectives import sum_over
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None,
+                    counted_elsewhere: list[torch.Tensor] | tuple = ()) -> torch.Tensor:
     """Clip to ``max_norm`` (skipped when <= 0) and return the global L2 norm before clipping.
 
     Gradients may be plain tensors or DTensors on several meshes (FSDP, TP, and the experts' EP x FSDP
     mesh): each mesh's share is reduced over that mesh. With pipeline parallelism each rank holds only its
-    stages' parameters: ``pp_mesh`` adds the squared norms of the other stages.
+    stages' parameters: ``pp_mesh`` adds the squared norms of the other stages. ``counted_elsewhere``: copies of
+    a parameter held elsewhere too (the embedding on the last pipeline stage), clipped but left out of the norm.
     """
+    skip = {id(p) for p in counted_elsewhere}
     by_mesh: dict = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    squares = [_norm([p.grad for p in params]) ** 2 for params in by_mesh.values()]
+    counted = [[p.grad for p in params if id(p) not in skip] for params in by_mesh.values()]
+    squares = [_norm(grads) ** 2 for grads in counted if grads]
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
     total = total.float()
     if pp_mesh is not None:

@@ -5,6 +5,8 @@ the same model class with the other modules removed: parameter names stay the na
 model, and checkpoints, initialisation and the HF adapters do not know about stages. The embedding
 and the output projection count as weight-bearing layers in the even split (see
 ``pipeline_parallel_first_stage_less_layers``), so the first and last stages get fewer blocks.
+Multi-token prediction blocks (after the main ones) go to the last stage, which then also holds a copy of the
+embedding kept equal to the first stage's (SharedEmbedding), as it does for an output head tied to the embedding.
 
 Placement: single-stage schedules put stage r on rank r; looped schedules put stage s on rank
 s % pp (round-robin); V schedules (ZBVZeroBubble, DualPipeV) pair stage r with stage 2*pp-1-r so
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     _Action,
@@ -149,8 +153,22 @@ def stage_module_names(p: Parallelism, n_layers: int, num_stages: int) -> list[l
                         p.pipeline_parallel_last_stage_less_layers)
 
 
-def keep_only(model: nn.Module, names: list[str]) -> nn.Module:
-    """A copy of ``model`` (on the meta device) holding only the named top-level modules and blocks."""
+def model_stage_names(model: nn.Module, p: Parallelism, num_stages: int) -> tuple[list[list[str]], bool]:
+    """The module names of each stage of ``model`` — its main blocks split by stage_module_names, then any
+    multi-token prediction blocks (layers.{n_layers}, ...) on the last stage — and whether the last stage also
+    holds a copy of the embedding (for those blocks, or for an output head tied to it)."""
+    n_layers = model.args.n_layers
+    names = [list(stage) for stage in stage_module_names(p, n_layers, num_stages)]
+    names[-1] += [f"layers.{key}" for key in model.layers if int(key) >= n_layers]
+    shares = num_stages > 1 and (len(model.layers) > n_layers or model.args.tie_embeddings)
+    if shares:
+        names[-1].append("tok_embeddings")
+    return names, shares
+
+
+def keep_only(model: nn.Module, names: list[str], first: bool) -> nn.Module:
+    """A copy of ``model`` (on the meta device) holding only the named top-level modules and blocks; only the
+    ``first`` stage embeds its input (a later one holding tok_embeddings keeps it as a copy, SharedEmbedding)."""
     part = copy.deepcopy(model)
     keep = set(names)
     for key in list(part.layers):
@@ -159,7 +177,61 @@ def keep_only(model: nn.Module, names: list[str]) -> nn.Module:
     for name in ("tok_embeddings", "norm", "output"):
         if name not in keep:
             setattr(part, name, None)
+    part.embeds_input = first
     return part
+
+
+class SharedEmbedding:
+    """The token embedding held twice: by the first stage, for its input, and by the last, for multi-token
+    prediction blocks or an output head tied to it.
+
+    Both copies start equal (initialised from the parameter's name) and stay equal: after every backward their
+    gradients are summed (on the rank, when it holds both stages, else between the first- and last-stage ranks of
+    each pipeline) and both take that sum, so the optimizer moves them alike. Gradient-norm clipping counts the
+    last stage's copy once (``counted_elsewhere``). Every rank must build it (it creates process groups).
+    """
+
+    def __init__(self, model_parts: list[nn.Module], pp_mesh, first_stage_rank: int, last_stage_rank: int):
+        self.weights = [part.tok_embeddings.weight for part in model_parts if part.tok_embeddings is not None]
+        self.counted_elsewhere = [part.tok_embeddings.weight for part in model_parts
+                                  if part.tok_embeddings is not None and not part.embeds_input]
+        self.group = None
+        if first_stage_rank == last_stage_rank:
+            return  # one rank holds both stages (V schedules): the sum is local
+        if pp_mesh.size() == 2:
+            self.group = pp_mesh.get_group()
+            return
+        # Every pipeline's (first, last) pair: each rank tells the others its pipeline's ranks.
+        pipelines = [None] * dist.get_world_size()
+        dist.all_gather_object(pipelines, pp_mesh.mesh.tolist())
+        pairs = sorted({(ranks[first_stage_rank], ranks[last_stage_rank]) for ranks in pipelines})
+        self.group, _ = dist.new_subgroups_by_enumeration([list(pair) for pair in pairs])
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        if not self.weights:
+            return  # a middle stage
+        local = [_local(w.grad) for w in self.weights if w.grad is not None]
+        total = torch.stack(local).sum(0) if local else torch.zeros_like(_local(self.weights[0]))
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for w in self.weights:
+            if w.grad is None:
+                w.grad = _like(w, total)
+            else:
+                _local(w.grad).copy_(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``param`` holding ``local`` (this rank's shard of it, for a DTensor parameter)."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local.clone()
 
 
 class _Stage(PipelineStage):
@@ -188,6 +260,7 @@ class Pipeline:
     model_parts: list[nn.Module]
     has_first_stage: bool
     has_last_stage: bool
+    shared_embedding: SharedEmbedding | None = None
 
 
 def build_pipeline(
@@ -204,13 +277,12 @@ def build_pipeline(
     labels, **loss_kwargs)`` without the schedule's own scaling: our loss is already divided by the
     global token count."""
     pp_rank = pp_mesh.get_local_rank()
-    n_layers = len(model.layers)
-    placement = stage_placement(p, n_layers)
+    placement = stage_placement(p, model.args.n_layers)
     num_stages = sum(len(stages) for stages in placement.values())
-    names = stage_module_names(p, n_layers, num_stages)
+    names, shares_embedding = model_stage_names(model, p, num_stages)
     stages, parts = [], []
     for stage_index in placement[pp_rank]:
-        part = prepare_part(keep_only(model, names[stage_index]))
+        part = prepare_part(keep_only(model, names[stage_index], first=stage_index == 0))
         parts.append(part)
         stages.append(_Stage(part, stage_index, num_stages, device, group=pp_mesh.get_group()))
 
@@ -224,7 +296,12 @@ def build_pipeline(
         schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                        scale_grads=False)
     local = placement[pp_rank]
-    return Pipeline(schedule, parts, has_first_stage=0 in local, has_last_stage=num_stages - 1 in local)
+    shared = None
+    if shares_embedding:
+        rank_of = {stage: rank for rank, held in placement.items() for stage in held}
+        shared = SharedEmbedding(parts, pp_mesh, rank_of[0], rank_of[num_stages - 1])
+    return Pipeline(schedule, parts, has_first_stage=0 in local, has_last_stage=num_stages - 1 in local,
+                    shared_embedding=shared)
 
 
 def merged_view(model_parts: list[nn.Module]) -> nn.Module:
@@ -254,9 +331,6 @@ def config_problems(p: Parallelism, t: Training, v: Validation, model: Model, ca
     pp, key = p.pipeline_parallel_degree, "parallelism.pipeline_parallel_degree"
     if not can_pipeline:
         return [(key, f"is not supported by model.name = {model.name!r} (its TrainSpec has no pipelining_fn)")]
-    if getattr(args, "tie_embeddings", False):
-        return [(key, f"cannot split model.flavor = {model.flavor!r}: it ties the embedding and output weights, "
-                      "which live on different stages; use an untied flavor")]
     if v.enable:
         # The stages exchange activations of the shape the training step set up.
         for field in ("local_batch_size", "seq_len"):

@@ -87,6 +87,9 @@ class Decoder(nn.Module):
     # Build flex attention's block mask for block-causal batches on CUDA; context parallelism turns it off
     # (its attention splits its blocks by document itself).
     flex_block_mask = True
+    # Whether forward's input is token ids; a later pipeline stage gets hidden states (and may still hold a copy of
+    # the embedding, for an output head tied to it or for multi-token prediction).
+    embeds_input = True
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -127,7 +130,7 @@ class Decoder(nn.Module):
         never decreasing along a row, makes attention block-causal; ``positions`` (batch, seq) are the RoPE
         positions (e.g. restarting at each document), else 0, 1, 2, ... ``labels`` (batch, seq) go to an output
         head that computes the loss itself (ChunkedLinearCrossEntropy): it then returns the summed loss."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         documents = self._documents(document_ids)
         for layer in self.layers.values():
             h = layer(h, self.rope, documents=documents, positions=positions)

@@ -121,9 +121,9 @@ class DeepseekV3Model(Decoder):
                 mtp_tokens: torch.Tensor | None = None,
                 mtp_labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """As Decoder.forward; with ``mtp_tokens`` (batch, mtp_depth, seq), the token k places ahead of each
-        position for depth k (components/multi_token_prediction.py), it returns (main output, [the output of
-        each depth]): logits, or with ``labels`` the summed losses against ``mtp_labels`` (batch, depth, seq)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        position for depth k (components/multi_token_prediction.py), it returns (main output, the output of each
+        depth ...): logits, or with ``labels`` the summed losses against ``mtp_labels`` (batch, depth, seq)."""
+        h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         documents = self._documents(document_ids)
         main, extra = [], []
         for name, block in self.layers.items():
@@ -131,7 +131,7 @@ class DeepseekV3Model(Decoder):
         for block in main:
             h = block(h, self.rope, documents=documents, positions=positions)
         out = self._head(self.norm(h) if self.norm is not None else h, labels)
-        if mtp_tokens is None:
+        if mtp_tokens is None or self.output is None:  # (an earlier pipeline stage: no prediction here)
             return out
         if mtp_tokens.shape[1] != len(extra) or (labels is not None and mtp_labels is None):
             raise ValueError(f"multi-token prediction needs mtp_tokens for its {len(extra)} depths (got "
@@ -141,4 +141,4 @@ class DeepseekV3Model(Decoder):
             h, normed = block(h, self.rope, documents=documents, positions=positions,
                               embeddings=self.tok_embeddings(mtp_tokens[:, depth]))
             predictions.append(self._head(normed, None if labels is None else mtp_labels[:, depth]))
-        return out, predictions
+        return out, *predictions
