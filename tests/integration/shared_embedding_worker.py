@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         result = train_step(microbatches)
         seen = []
         for first, weight in copies:
-            whole = weight.full_tensor() if isinstance(weight, DTensor) else weight.detach()
+            whole = (weight.full_tensor() if isinstance(weight, DTensor) else weight).detach()
             seen.append({"first": first, "sha": hashlib.sha256(whole.float().cpu().numpy().tobytes()).hexdigest()})
         steps.append(seen)
         return result
