@@ -34,7 +34,9 @@ def main() -> int:
     args = parser.parse_args()
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
-        model, spec = build_model(cfg)
+        include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp
+        # Without MTP in the export its blocks are not read either (a checkpoint saved without them converts).
+        model, spec = build_model(cfg, mtp=include_mtp)
         load_dcp_model(model, args.checkpoint)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -46,7 +48,7 @@ def main() -> int:
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
     adapter = spec.state_dict_adapter(model.args)
     adapter.drop_expert_bias = args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias
-    if args.include_mtp or cfg.checkpoint.hf_include_mtp:
+    if include_mtp:
         if not getattr(model.args, "mtp_depth", 0):
             print(f"error: --include_mtp: the model of {args.config} has no multi-token prediction blocks "
                   "(model.mtp_depth)", file=sys.stderr)

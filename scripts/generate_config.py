@@ -157,7 +157,7 @@ def build(args: argparse.Namespace) -> tuple[str, dict, str | None]:
     # Under PP every stage needs a micro-batch of its own in each step: local_batch_size must give at
     # least as many micro-batches (of pipeline_parallel_microbatch_size sequences) as there are stages.
     microbatch = cfg.parallelism.pipeline_parallel_microbatch_size
-    stages = count_stages(cfg.parallelism, shape.n_layers) if args.pp > 1 else 1
+    stages = count_stages(cfg.parallelism, shape.n_layers - shape.mtp_blocks) if args.pp > 1 else 1
 
     def layout_for(tp: int) -> tuple[int, int, int]:
         rest = world // (tp * args.pp)

@@ -255,10 +255,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh,
                                     counted_elsewhere=shared.counted_elsewhere if shared is not None else ())
         # Only the ranks holding the last stage have a loss; the others add zero.
-        loss = sum_over(sum_over(step_loss, pp_mesh), self.loss_mesh)
-        self.step_metrics = {}
-        if self.mtp_depth:
-            self.step_metrics["mtp/loss"] = sum_over(sum_over(step_mtp_loss, pp_mesh), self.loss_mesh)
+        loss, mtp_loss_value = sum_over(sum_over(torch.stack([step_loss, step_mtp_loss]), pp_mesh), self.loss_mesh)
+        self.step_metrics = {"mtp/loss": mtp_loss_value} if self.mtp_depth else {}
         if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()

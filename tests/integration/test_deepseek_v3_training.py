@@ -11,6 +11,8 @@ CONFIG = "train_configs/deepseek_v3_debug.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
           "--metrics.log_freq", "1", "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
 EMBEDDING_WORKER = "tests.integration.shared_embedding_worker:main"
+EP2_PP2 = ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.expert_parallel_degree", "2"]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
@@ -22,8 +24,7 @@ LAYOUTS = {
                     "--parallelism.tensor_parallel_degree", "2"]),
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
     # The last stage runs the MTP block with its own copy of the embedding (kept equal to the first stage's).
-    "ep2_pp2": (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.expert_parallel_degree", "2"], EMBEDDING_WORKER),
+    "ep2_pp2": (4, [*EP2_PP2, "--checkpoint.enable", "--checkpoint.interval", "3"], EMBEDDING_WORKER),
     "single_no_mtp": (1, ["--training.local_batch_size", "8", "--model.mtp_depth", "0"]),
 }
 
@@ -31,7 +32,11 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek_v3")
-    return folder, train_matrix(folder, LAYOUTS, config=CONFIG, common=COMMON)
+    # Resumed from the EP 2 x PP 2 run's step 3 (model with its MTP block and both embedding copies, optimizer,
+    # data position), in the same launch after it.
+    resumed = (4, [*EP2_PP2, "--checkpoint.enable", "--checkpoint.initial_load_path",
+                   str(folder / "ep2_pp2" / "checkpoint" / "step-3"), "--checkpoint.no_initial_load_model_only"])
+    return folder, train_matrix(folder, {**LAYOUTS, "ep2_pp2_resumed": resumed}, config=CONFIG, common=COMMON)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,14 @@ def test_layout_matches_the_single_process(runs, layout):
     assert_same_steps(rows, reference)
     # The multi-token prediction loss, reported beside the main one, too.
     assert [r["mtp/loss"] for r in rows] == pytest.approx([r["mtp/loss"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_with_mtp_resumes_exactly(runs):
+    rows, reference = rows_of(runs, "ep2_pp2_resumed"), rows_of(runs, "single")
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    assert_same_steps(rows, reference[3:])
+    assert [r["mtp/loss"] for r in rows] == pytest.approx([r["mtp/loss"] for r in reference[3:]], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -78,8 +78,8 @@ def test_an_absolute_folder_or_url_wins_over_the_dump_folder():
 
 
 def test_url_problems_are_config_errors_naming_the_field(tmp_path):
-    problems = config_problems(Checkpoint(folder="nosuch://b/run", initial_load_path="nosuch://b/init"), 1,
-                               "llama3", True)
+    problems = config_problems(Checkpoint(enable=True, folder="nosuch://b/run", initial_load_path="nosuch://b/init"),
+                               1, "llama3", True)
     assert problems == [
         ("folder", "has the unknown protocol 'nosuch' (no fsspec implementation is registered for it)"),
         ("initial_load_path", "has the unknown protocol 'nosuch' (no fsspec implementation is registered for it)")]

@@ -261,8 +261,12 @@ def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
     from torchtitan.config.job_config import Checkpoint
 
     bad = Checkpoint(interval=0, keep_latest_k=-1, exclude_from_loading=["optimiser"], initial_load_path="/no/such")
-    assert [field for field, _ in config_problems(bad, 1, "llama3", True)] == [
-        "interval", "keep_latest_k", "exclude_from_loading", "initial_load_path"]
+    assert config_problems(bad, 1, "llama3", True) == [
+        ("interval", "is invalid; it must be > 0"), ("keep_latest_k", "is invalid; it must be >= 0 (0 keeps all)"),
+        ("exclude_from_loading", "names unknown state ['optimiser']; valid: model, optimizer, lr_scheduler, "
+                                 "dataloader, train_state, guard"),
+        ("initial_load_path", "is read only with checkpoint.enable = true; set it"),
+        ("initial_load_path", "is not a folder")]
     assert config_problems(Checkpoint(), 1, "llama3", True) == []
     seed = Checkpoint(enable=True, create_seed_checkpoint=True, last_save_in_hf=True)
     assert config_problems(seed, 2, "toy", False) == [

@@ -53,6 +53,7 @@ from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.distributed.precision import DTYPES
 from torchtitan.hf_checkpoint import read_hf_model_state, write_hf_folder
 from torchtitan.log import logger, one_line
+from torchtitan.models.seeded_init import canonical_name
 from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
@@ -81,6 +82,9 @@ def config_problems(cfg: CheckpointConfig, world_size: int, model_name: str,
     for name, location in (("folder", cfg.folder), ("initial_load_path", cfg.initial_load_path)):
         problem = url_problem(location) if is_url(location) else None
         require(name, problem is None, str(problem))
+    if cfg.initial_load_path is not None:
+        # Read by the checkpoint manager only (where a run without checkpoints of its own starts from).
+        require("initial_load_path", cfg.enable, "is read only with checkpoint.enable = true; set it")
     if cfg.initial_load_path is not None and not is_url(cfg.initial_load_path):
         require("initial_load_path", Path(cfg.initial_load_path).is_dir(), "is not a folder")
         if cfg.initial_load_in_hf:
@@ -140,6 +144,16 @@ class ModelState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+    def missing_from(self, available) -> str | None:
+        """A one-line reason when weights of these model parts are not among ``available`` names, else None."""
+        missing = sorted({canonical_name(name) for part in self.model_parts for name, _ in part.named_parameters()}
+                         - set(available))
+        if not missing:
+            return None
+        return (f"it holds no {missing[0]}" + (f" (nor {len(missing) - 1} more weights)" if len(missing) > 1 else "")
+                + ": it was saved from a model built differently (model.flavor, or model.mtp_depth: multi-token "
+                "prediction blocks are layers.{n_layers}...; set model.mtp_depth = 0 to go on without them)")
 
 
 class OptimizerState(Stateful):
@@ -322,6 +336,8 @@ class CheckpointManager:
                 state = read_hf_model_state(path, self.state_dict_adapter)
         except RemoteError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
+        if reason := self.states["model"].missing_from(state):
+            raise CheckpointError(f"checkpoint.initial_load_path {location}: {reason}")
         options = StateDictOptions(full_state_dict=True, strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=options)
@@ -331,6 +347,10 @@ class CheckpointManager:
         metadata = verify_checkpoint(where)
         stored = {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
         keys = [k for k in keys if k not in OPTIONAL_KEYS or k in stored]
+        if "model" in keys:
+            saved = (name.split(".", 1)[1] for name in metadata.state_dict_metadata if name.startswith("model."))
+            if reason := self.states["model"].missing_from(saved):
+                raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
         for key in keys:
             if hasattr(self.states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
                 self.states[key].prepare_load(metadata)

@@ -30,11 +30,11 @@ def config_problems(model: Model, training: Training, checkpoint: Checkpoint, ar
     if depth == 0 and checkpoint.hf_include_mtp:
         return [("checkpoint.hf_include_mtp", "exports multi-token prediction blocks, but this model has none; "
                                               "set model.mtp_depth or leave it false")]
-    if training.mtp_loss_weight < 0:
+    if not training.mtp_loss_weight >= 0:  # (NaN too)
         return [("training.mtp_loss_weight", "is invalid; it must be >= 0")]
     if depth == 0 and training.mtp_loss_weight != DEFAULT_LOSS_WEIGHT:
-        return [("training.mtp_loss_weight", "weighs a multi-token prediction loss, but this model trains none; "
-                                             "set model.mtp_depth or leave the weight unset")]
+        return [("training.mtp_loss_weight", "weighs a multi-token prediction loss, but this model trains none "
+                                             "(model.mtp_depth, deepseek_v3 only); leave the weight unset")]
     if depth >= training.seq_len:
         return [(key, f"{what}leaves nothing to predict in training.seq_len = {training.seq_len}")]
     return []

@@ -178,8 +178,8 @@ class Training:
         "never exist at once (0: the plain path)"
     )
     mtp_loss_weight: float = option(
-        0.3, "Weight of the multi-token prediction loss (mean over its depths) added to the main-token loss "
-        "(DeepSeek-V3: 0.3, then 0.1 late in training)"
+        0.3, "Weight of the multi-token prediction loss (mean over its depths) added to the main-token loss, constant "
+        "over the run (DeepSeek-V3 used 0.3, then 0.1 late in training: set it per stage of training)"
     )
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")

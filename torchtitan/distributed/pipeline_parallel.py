@@ -392,4 +392,18 @@ def config_problems(p: Parallelism, t: Training, v: Validation, model: Model, ca
         stage_module_names(p, args.n_layers, num_stages)
     except ValueError as e:
         return [(key, f"cannot be laid out: {e}")]
+    if getattr(args, "tie_embeddings", False) or getattr(args, "mtp_depth", 0):
+        # The last stage keeps a copy of the embedding (SharedEmbedding), summed with the first stage's over ranks.
+        mtp = getattr(args, "mtp_depth", 0)
+        why, off = (("multi-token prediction blocks", "model.mtp_depth = 0") if mtp else
+                    ("an output head tied to it", "an untied flavor"))
+        placement = stage_placement(p, args.n_layers)
+        if any(0 in held and num_stages - 1 in held for held in placement.values()):
+            return [(csv_key if csv_path else "parallelism.pipeline_parallel_schedule",
+                     f"puts the first and last stages on one rank, where the last stage's copy of the embedding (for "
+                     f"{why}) cannot be checkpointed beside the first's yet; use a schedule that does not (1F1B, "
+                     f"Interleaved1F1B, ...) or {off}")]
+        if t.enable_cpu_offload:
+            return [("training.enable_cpu_offload", f"is not supported with pipeline parallelism and {why} (the "
+                     "embedding copies' gradients are summed between ranks on the device)")]
     return []

@@ -45,7 +45,7 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     # local tensor; a replicated DTensor keeps every parameter of one kind, and its gradient is whole because
     # the MoE sums the routing weights' gradients over the TP ranks).
     plan: dict[str, ParallelStyle] = {
-        "moe.router": ReplicatedParameters(),
+        "moe.router": ReplicatedWeightsOnly(),
         "moe": PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                         use_local_input=True, output_layouts=(Partial(),),
                                         desired_output_layouts=(Shard(1),), use_local_output=True),
@@ -123,7 +123,7 @@ class ReplicatedParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=self._input_fn, output_fn=self._output_fn)
 
 
-class ReplicatedParameters(ParallelStyle):
+class ReplicatedWeightsOnly(ParallelStyle):
     """Only turn the module's parameters into replicated DTensors, for a module that reads them as local
     tensors and whose gradients are whole on every rank."""
 
