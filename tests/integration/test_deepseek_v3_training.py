@@ -26,7 +26,12 @@ LAYOUTS = {
     # The last stage runs the MTP block with its own copy of the embedding (kept equal to the first stage's).
     "ep2_pp2": (4, [*EP2_PP2, "--checkpoint.enable", "--checkpoint.interval", "3"], EMBEDDING_WORKER),
     "single_no_mtp": (1, ["--training.local_batch_size", "8", "--model.mtp_depth", "0"]),
+    # MLA's TP plan with the low-rank query (wq_a, q_norm computed whole on every rank), against its own reference.
+    "single_qlora": (1, ["--training.local_batch_size", "8", "--model.flavor", "debug_qlora"]),
+    "qlora_tp2": (2, ["--training.local_batch_size", "8", "--model.flavor", "debug_qlora",
+                      "--parallelism.tensor_parallel_degree", "2"]),
 }
+REFERENCE = {"qlora_tp2": "single_qlora"}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def runs(matrix):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if not name.startswith("single")])
 def test_layout_matches_the_single_process(runs, layout):
-    reference = rows_of(runs, "single")
+    reference = rows_of(runs, REFERENCE.get(layout, "single"))
     assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
     rows = rows_of(runs, layout)
     assert_same_steps(rows, reference)
