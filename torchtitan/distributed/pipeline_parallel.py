@@ -211,27 +211,17 @@ class SharedEmbedding:
     def sum_gradients(self) -> None:
         if not self.weights:
             return  # a middle stage
-        local = [_local(w.grad) for w in self.weights if w.grad is not None]
-        total = torch.stack(local).sum(0) if local else torch.zeros_like(_local(self.weights[0]))
+        # Every copy has a gradient after a backward: the first stage's from its input, the last's from the
+        # blocks or the head that use it.
+        total = torch.stack([_local(w.grad) for w in self.weights]).sum(0)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
         for w in self.weights:
-            if w.grad is None:
-                w.grad = _like(w, total)
-            else:
-                _local(w.grad).copy_(total)
+            _local(w.grad).copy_(total)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A gradient for ``param`` holding ``local`` (this rank's shard of it, for a DTensor parameter)."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return local.clone()
 
 
 class _Stage(PipelineStage):
