@@ -16,13 +16,12 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 
-import torch
+from report import Table, environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMPILED = ["--compile.enable"]
@@ -65,14 +64,6 @@ def train_with_flavor(spec: dict) -> int:
     return main(spec["argv"])
 
 
-def environment() -> str:
-    if torch.cuda.is_available():
-        device = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
-    else:
-        device = f"no GPU: CPU {platform.processor() or platform.machine()}"
-    return f"torch {torch.__version__}, {device}, Python {platform.python_version()}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=25)
@@ -90,7 +81,7 @@ def main() -> int:
     unknown = [name for name in names if name not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; valid: {', '.join(CONFIGS)}")
-    lines = [
+    table = Table([
         "# Training throughput",
         "",
         f"`python benchmarks/gpu_throughput.py`: llama3 {args.flavor} dimensions, {args.layers} layers, batch 1 x "
@@ -99,8 +90,7 @@ def main() -> int:
         "",
         "| configuration | tokens/s | MFU (%) | peak memory (GiB) | loss |",
         "|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    ], args.output)
     for name in names:
         result = run_config(args, CONFIGS[name])
         if "error" in result:
@@ -108,10 +98,8 @@ def main() -> int:
         else:
             row = (f"| {name} | {result['tps']:,.0f} | {result['mfu']:.1f} | {result['memory_gib']:.1f} | "
                    f"{result['loss']:.3f} |")
-        lines.append(row)
-        print(row, flush=True)
-    if args.output:
-        args.output.write_text("\n".join(lines) + "\n")
+        table.add(row)
+    table.close()
     return 0
 
 

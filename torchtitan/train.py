@@ -21,6 +21,7 @@ from torchtitan.components.loss import count_valid_tokens, summed_loss_share
 from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
+from torchtitan.components.optimizer import clipped_step
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.provenance import save_provenance
@@ -34,7 +35,7 @@ from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.data_parallel import set_gradient_sync
-from torchtitan.distributed.grad_norm import clip_grad_norm_
+from torchtitan.distributed.grad_norm import global_grad_norm
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, compute_autocast, compute_dtype, set_compute_dtype
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
@@ -252,8 +253,8 @@ class Trainer:
         shared = self.pipeline.shared_embedding if self.pipeline is not None else None
         if shared is not None:
             shared.sum_gradients()  # the embedding's copies on the first and last stages
-        grad_norm = clip_grad_norm_(params, self.cfg.training.max_norm, pp_mesh,
-                                    counted_elsewhere=shared.counted_elsewhere if shared is not None else ())
+        grad_norm = global_grad_norm(params, pp_mesh,
+                                     counted_elsewhere=shared.counted_elsewhere if shared is not None else ())
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss, mtp_loss_value = sum_over(sum_over(torch.stack([step_loss, step_mtp_loss]), pp_mesh), self.loss_mesh)
         self.step_metrics = {"mtp/loss": mtp_loss_value} if self.mtp_depth else {}
@@ -261,7 +262,7 @@ class Trainer:
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
         else:
-            self.optimizer.step()
+            clipped_step(self.optimizer, params, grad_norm, self.cfg.training.max_norm)
             self.converters.post_optimizer_hook(self.model_parts)
             if self.expert_loads is not None:
                 self.expert_loads.after_step()

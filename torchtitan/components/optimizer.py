@@ -1,9 +1,10 @@
-"""Build the optimizer from the [optimizer] section."""
+"""Build the optimizer from the [optimizer] section, and take its step on clipped gradients."""
 
 import torch
 from torch import nn
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed.grad_norm import clip_grads_, clip_scale
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -18,3 +19,20 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
     return cls(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
     )
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], grad_norm: torch.Tensor,
+                 max_norm: float) -> None:
+    """The optimizer step on gradients clipped to a global norm of ``max_norm`` (no clipping when <= 0).
+
+    A fused optimizer (PyTorch marks those whose kernels unscale gradients themselves, for AMP's GradScaler,
+    with ``_step_supports_amp_scaling``) divides the gradients by the clip scale inside its own kernel, saving
+    a separate read and write of every gradient; the others get the gradients divided in place first. Both
+    give the same bits: each divides float32 gradients by the same float32 scale, correctly rounded.
+    """
+    scale = clip_scale(grad_norm, max_norm) if max_norm > 0 else None
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale = scale  # read by step(); None steps unscaled
+    elif scale is not None:
+        clip_grads_(parameters, scale)
+    optimizer.step()
