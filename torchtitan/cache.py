@@ -1,9 +1,10 @@
-"""Where torchtitan keeps what it measures or builds once per machine (CPU peak, expert kernels' timings,
-compiled kernels)."""
+"""Where torchtitan keeps what it measures, builds or copies once per machine (CPU peak, expert kernels' timings,
+compiled kernels, local copies of remote data and weights)."""
 
 import fcntl
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,3 +41,21 @@ def measured_once(file_name: str, key: str, measure: Callable[[], Any]) -> tuple
         tmp.write_text(json.dumps(cache, indent=1))
         os.replace(tmp, path)
         return cache[key], True
+
+
+def filled_once(folder: Path, marker: str, content: bytes, fill: Callable[[Path], None]) -> Path:
+    """``folder`` (in the cache), filled by ``fill(folder)`` once per machine: the first process fills it under a
+    file lock while the others wait, then reuse it. It counts as complete only when its file ``marker`` holds
+    ``content``, written last (atomically); otherwise (an interrupted copy, or ``content`` changed: another
+    version of the source) it is emptied and filled again."""
+    done = folder / marker
+    with locked(folder.with_suffix(".lock")):
+        if done.is_file() and done.read_bytes() == content:
+            return folder
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        fill(folder)
+        tmp = folder / f"{marker}.tmp"
+        tmp.write_bytes(content)
+        os.replace(tmp, done)
+    return folder

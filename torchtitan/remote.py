@@ -11,7 +11,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,23 +67,19 @@ def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
     if not is_url(location):
         yield Path(location)
         return
-    from torchtitan.cache import cache_dir, locked
+    from torchtitan.cache import cache_dir, filled_once
+
+    def copy(local: Path) -> None:
+        try:
+            fs, root = filesystem(location)
+            names = [p for p in fs.ls(root, detail=False) if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
+            for name in names:
+                fs.get_file(name, str(local / name.rstrip("/").rsplit("/", 1)[-1]))
+        except Exception as e:
+            raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
+        if not names:
+            raise RemoteError(f"{location}: holds no {pattern} files")
 
     local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
-    done = local / ".complete"
-    with locked(local.with_suffix(".lock")):
-        if not done.is_file():
-            shutil.rmtree(local, ignore_errors=True)  # an interrupted copy
-            local.mkdir(parents=True)
-            try:
-                fs, root = filesystem(location)
-                names = [p for p in fs.ls(root, detail=False)
-                         if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
-                for name in names:
-                    fs.get_file(name, str(local / name.rstrip("/").rsplit("/", 1)[-1]))
-            except Exception as e:
-                raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
-            if not names:
-                raise RemoteError(f"{location}: holds no {pattern} files")
-            done.write_text(location + "\n")
+    filled_once(local, ".complete", f"{location}\n".encode(), copy)
     yield local

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from torchtitan.cache import cache_dir, locked
+from torchtitan.cache import cache_dir, filled_once
 from torchtitan.data.errors import DataError
 from torchtitan.data.tokenizer import Tokenizer
 from torchtitan.log import one_line
@@ -133,12 +133,8 @@ def fetch_shards(url: str) -> pathlib.Path:
         itemsize = np.dtype(json.loads(manifest)["dtype"]).itemsize
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{join(url, MANIFEST)}: not a {FORMAT} manifest: {one_line(e)}") from None
-    local = cache_dir() / "shards" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    with locked(local.with_suffix(".lock")):
-        if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest:
-            return local
-        shutil.rmtree(local, ignore_errors=True)  # another version of the data, or an interrupted copy
-        local.mkdir(parents=True)
+
+    def copy(local: pathlib.Path) -> None:
         for shard in shards:
             for key, size in (("tokens", shard["num_tokens"] * itemsize), ("index", (shard["num_documents"] + 1) * 8)):
                 remote, target = join(url, shard[key]), local / shard[key]
@@ -149,11 +145,11 @@ def fetch_shards(url: str) -> pathlib.Path:
                 if target.stat().st_size != size:
                     raise DataError(f"{remote}: {target.stat().st_size} bytes, but the manifest says {size} "
                                     "(truncated or overwritten); tokenize the data again")
-        # The manifest last: a copy counts only once every file it lists is in place.
-        tmp = local / f"{MANIFEST}.tmp"
-        tmp.write_bytes(manifest)
-        os.replace(tmp, local / MANIFEST)
-    return local
+
+    # The manifest is the completion marker: a copy counts once every file it lists is in place, and a changed
+    # remote manifest (the data tokenized again) makes a new copy.
+    local = cache_dir() / "shards" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return filled_once(local, MANIFEST, manifest, copy)
 
 
 class TokenShards:
