@@ -3,7 +3,9 @@
     python benchmarks/optimizer_step.py [--flavor 8B --layers 8] [--vocab_size N] [--output FILE.md]
 
 Parameters with the shapes of a llama3 flavor cut to --layers blocks, float32 with float32 gradients and AdamW
-moments, on this machine's accelerator (else the CPU); fresh random gradients, large enough that every step clips.
+moments, on this machine's accelerator (else the CPU); random gradients with a norm far above --max_norm.
+Clipping writes the scaled gradients back, so after the first repetition the scale is about 1: the kernels do
+the same work whatever its value, so every repetition times the same thing.
 The floor is AdamW's own traffic, 28 bytes a parameter (it reads the parameter, its gradient and both moments
 and writes back the parameter and the moments), at the bandwidth a large on-device copy or add reaches here (on a
 CPU the fused AdamW step can beat that probe: read the x-floor column as relative there). Rows:
@@ -102,7 +104,7 @@ def main() -> int:
         parser.error(f"--vocab_size: flavor {args.flavor!r} takes the tokenizer's vocabulary; give its size")
     params = [torch.nn.Parameter(torch.randn(shape, device=device) * 0.02) for shape in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device=device) * 0.01  # norm >> max_norm: every step clips
+        p.grad = torch.randn(p.shape, device=device) * 0.01  # norm >> max_norm
     numel = sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)  # tiny lr: parameters stay where they are
     bandwidth = stream_bandwidth(device, min(numel, 1 << 28), args.repeats)
@@ -131,7 +133,7 @@ def main() -> int:
         "# Optimizer step against its bandwidth floor",
         "",
         f"`python benchmarks/optimizer_step.py {command_line(args)}`: llama3 {args.flavor} dimensions, "
-        f"{args.layers} layers, vocabulary {shapes[0][0]:,}: {numel / 1e9:.3f} B float32 parameters; every step clips.",
+        f"{args.layers} layers, vocabulary {shapes[0][0]:,}: {numel / 1e9:.3f} B float32 parameters.",
         f"Environment: {environment()}. Memory bandwidth measured (STREAM copy/add): "
         f"{bandwidth / 1e9:.1f} GB/s; floor (AdamW's {ADAMW_BYTES} B/parameter there): {floor * 1e3:.1f} ms.",
         "",

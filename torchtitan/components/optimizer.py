@@ -27,12 +27,23 @@ def clipped_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor
 
     A fused optimizer (PyTorch marks those whose kernels unscale gradients themselves, for AMP's GradScaler,
     with ``_step_supports_amp_scaling``) divides the gradients by the clip scale inside its own kernel, saving
-    a separate read and write of every gradient; the others get the gradients divided in place first. Both
-    give the same bits: each divides float32 gradients by the same float32 scale, correctly rounded.
+    a separate read and write of every gradient; the others get the gradients divided in place first. For
+    float32 gradients both give the same bits (each divides by the same float32 scale, correctly rounded); for
+    bfloat16 ones the fused kernel keeps the quotient in float32, one rounding fewer.
     """
     scale = clip_scale(grad_norm, max_norm) if max_norm > 0 else None
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.grad_scale = scale  # read by step(); None steps unscaled
-    elif scale is not None:
+    supports_scale = getattr(optimizer, "_step_supports_amp_scaling", False)
+    in_kernel = supports_scale and scale is not None
+    if in_kernel:
+        devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+        # The kernel reads the scale on the parameters' device. PyTorch would copy it there without waiting
+        # (non_blocking): from a GPU into host memory (FSDP CPU offload) the CPU kernel could read it before it
+        # lands. A blocking copy here; parameters on several devices are clipped first instead.
+        in_kernel = len(devices) == 1
+        if in_kernel:
+            scale = scale.to(devices.pop())
+    if supports_scale:
+        optimizer.grad_scale = scale if in_kernel else None  # read by step(); None steps unscaled
+    if scale is not None and not in_kernel:
         clip_grads_(parameters, scale)
     optimizer.step()
