@@ -130,7 +130,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     args = build_model_args(spec, cfg.model, vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    # Multi-token prediction blocks are planned as blocks (their extra output-head passes are not counted).
+    # Multi-token prediction blocks are planned as blocks, plus an output-head pass each (memory and FLOPs).
     blocks = list(model.layers.values())
     embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     params = sum(p.numel() for p in model.parameters())
@@ -311,7 +311,8 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     norm = (2 * 4 * m.dim + 4) if autocast else (2 * c * m.dim + 4)
     head_saved = head_transient = output_grad = 0.0
     if rank.last:
-        head_saved = (norm + c * m.dim + 4 * vocab) * tokens * rank.head_in_flight
+        # Each multi-token prediction depth has its own pass through the norm, output layer and loss.
+        head_saved = (norm + c * m.dim + 4 * vocab) * tokens * rank.head_in_flight * (1 + m.mtp_blocks)
         head_saved += c * m.output_params / tp if autocast else 0
         head_transient = 2 * 4 * vocab * tokens
         output_grad = m.output_params * s / tp / layout.fsdp_degree
@@ -363,6 +364,7 @@ def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -
     attention = 12 * m.n_layers * m.q_dim * t.seq_len / 2
     weights = m.flops_per_token - 12 * m.n_layers * m.q_dim * t.seq_len  # 6 x non-embedding params
     block_weights = weights - 6 * m.output_params
+    weights += 6 * m.vocab * m.dim * m.mtp_blocks  # each multi-token prediction depth's output-head pass
     # A recomputed block repeats its forward: a third of its forward + backward FLOPs.
     recomputed = recomputed_fraction(cfg, m.n_layers)
     matmul = (weights + block_weights * recomputed / 3) * tokens
