@@ -21,12 +21,13 @@ Usage errors (no --config, an unknown --device) are argparse's: the usage, one e
 
 import argparse
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
 from torchtitan.config.validation import import_custom_modules, validate_config
-from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, plan
+from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, layout_problem, plan, smallest_world_size
 from torchtitan.protocols.train_spec import TOKENIZER_FILES, get_train_spec
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("--config", required=True, help="training TOML")
     parser.add_argument("--device", required=True, type=str.upper, choices=DEVICES, help="device kind")
-    parser.add_argument("--world_size", type=int, default=1,
+    parser.add_argument("--world_size", type=int,
                         help="devices in the run (default 1); the config's parallel degrees must multiply to it")
     parser.add_argument("--efficiency", type=float,
                         help="fraction of peak FLOP/s reached (default 0.40 on GPUs; "
@@ -70,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             return error(f"--{flag} {value} is invalid; it must be >= 1", CANNOT_PLAN)
+    world_size, cfg = args.world_size or 1, None
     try:
         cfg, sources = load_config(["--job.config_file", args.config, *overrides])
-        validate(cfg, sources, args.world_size, args.vocab_size)
-        result = plan(cfg, args.device, args.world_size, args.efficiency, args.vocab_size)
+        validate(cfg, sources, world_size, args.vocab_size)
+        result = plan(cfg, args.device, world_size, args.efficiency, args.vocab_size)
     except (ConfigError, PlanError) as e:
-        return error(str(e), CANNOT_PLAN)
+        return error(str(e) + world_size_hint(cfg, args.config, args.world_size), CANNOT_PLAN)
     except Exception as e:  # a config that passed the checks must still never end in a traceback
         return error(f"the planner failed on this config (a bug; please report it with the command line): "
                      f"{type(e).__name__}: {e}", PLANNER_BUG)
@@ -83,6 +85,37 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.training.seq_len}, activation checkpointing {cfg.activation_checkpoint.mode}")
     print(format_plan(result))
     return FITS if result.fits else DOES_NOT_FIT
+
+
+def world_size_hint(cfg: JobConfig | None, config_path: str, given: int | None) -> str:
+    """When the degrees do not lay out on the world size planned for, the sentence that says which world size
+    that was, how to set it, and the smallest the degrees allow (and the one the preset's header names)."""
+    world_size = given or 1
+    if cfg is None or layout_problem(cfg.parallelism, world_size) is None:
+        return ""
+    assumed = f"--world_size {given}" if given else "a world size of 1 (the default; --world_size sets it)"
+    smallest = smallest_world_size(cfg.parallelism)
+    allowed = (f"the smallest these parallel degrees allow is {smallest} (--world_size {smallest})" if smallest
+               else "no world size fits these parallel degrees")
+    written_for = header_gpus(Path(config_path))
+    header = f"; the config's header says it is written for {written_for} GPUs" if written_for else ""
+    return f". This plan assumed {assumed}; {allowed}{header}"
+
+
+def header_gpus(path: Path) -> int | None:
+    """N from "on N GPUs" in the config file's opening comment (how the multi-GPU presets say what they are
+    written for), or None."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    opening = []
+    for line in lines:
+        if not line.startswith("#"):
+            break
+        opening.append(line)
+    found = re.search(r"\bon (\d+) GPUs\b", " ".join(opening))
+    return int(found.group(1)) if found else None
 
 
 def error(message: str, code: int) -> int:

@@ -96,3 +96,41 @@ def test_a_family_registered_from_outside_is_planned_through_the_decoder_interfa
         model = get_train_spec("toy_decoder").model_cls(args)
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert (shape.ffn_dim, shape.kv_dim, shape.qk_norm, shape.output_params) == (8 * 96, 2 * 16, True, 0)
+
+
+@pytest.mark.parametrize("preset, smallest, written_for, reason", [
+    ("qwen3_moe_30b_a3b", 8, 32, "parallelism.expert_parallel_degree = 8 does not divide"),
+    ("deepseek_v3_16b", 8, 16, "parallelism.expert_parallel_degree = 8 does not divide"),
+    ("deepseek_v3_671b", 512, 512, "parallelism.data_parallel_shard_degree = -1 cannot fill the world size 1"),
+])
+def test_a_preset_planned_without_its_world_size_says_the_world_size_to_give(capsys, preset, smallest, written_for,
+                                                                             reason):
+    code, out, err = run_plan(capsys, "--config", f"train_configs/{preset}.toml", "--device", "H100")
+    assert code == plan_script.CANNOT_PLAN and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: train_configs/{preset}.toml: {reason}")
+    assert err.endswith(f". This plan assumed a world size of 1 (the default; --world_size sets it); the smallest "
+                        f"these parallel degrees allow is {smallest} (--world_size {smallest}); the config's header "
+                        f"says it is written for {written_for} GPUs\n")
+
+
+def test_a_world_size_the_degrees_do_not_fit_is_named_as_given(capsys):
+    code, _, err = run_plan(capsys, "--config", "train_configs/deepseek_v3_16b.toml", "--device", "H100",
+                            "--world_size", "12")
+    assert code == plan_script.CANNOT_PLAN
+    assert "= 12 x 1 = 12" in err and err.endswith(
+        ". This plan assumed --world_size 12; the smallest these parallel degrees allow is 8 (--world_size 8); "
+        "the config's header says it is written for 16 GPUs\n")
+
+
+def test_smallest_world_size_follows_the_degrees():
+    from torchtitan.config.job_config import Parallelism
+
+    def smallest(**degrees):
+        return planner.smallest_world_size(Parallelism(**degrees))
+
+    assert smallest() == 1
+    assert smallest(tensor_parallel_degree=2, pipeline_parallel_degree=4) == 8
+    # EP 4 carved from dp_shard x cp with cp 2: dp_shard 2 suffices.
+    assert smallest(context_parallel_degree=2, expert_parallel_degree=4) == 4
+    assert smallest(data_parallel_shard_degree=3, expert_parallel_degree=2) is None
+    assert smallest(context_parallel_degree=4, expert_parallel_degree=6) is None  # neither divides the other
