@@ -8,6 +8,11 @@
    AdamW, eager and compiled: tokens/s, MFU counted on active parameters, peak memory.
 
     python benchmarks/moe.py [--steps 8] [--output benchmarks/results/moe.md]
+
+``--experts E,DIM,HIDDEN,ROWS`` (repeatable) times only the routed experts of those shapes and prints their
+rows, e.g. the loop path at 64 experts on one thread:
+
+    python benchmarks/moe.py --threads 1 --experts 64,256,768,8192
 """
 
 import argparse
@@ -60,10 +65,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--output", default="benchmarks/results/moe.md")
+    parser.add_argument("--experts", action="append", default=[], metavar="E,DIM,HIDDEN,ROWS",
+                        help="time only the routed experts of this shape (repeatable); prints, writes nothing")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per path (the best is kept)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = torch.get_num_threads()
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()}, {threads} threads"
+    if args.experts:
+        print(f"# routed experts on {name} (torch {torch.__version__}), best of {args.repeats}")
+        for spec in args.experts:
+            experts, dim, hidden, rows = (int(v) for v in spec.split(","))
+            for line in expert_rows(f"{experts} experts", experts, dim, hidden, rows, device, args.repeats):
+                print(line, flush=True)
+        return
     # The trainer runs first: a child process inherits its parent's peak resident set on Linux, and the expert
     # timings below grow this one's to gigabytes.
     trainer_lines = trainer_section(args.steps)
@@ -72,17 +90,26 @@ def main() -> None:
              "| shape | dtype | routed rows | grouped GEMM (ms) | loop (ms) | loop / grouped |",
              "|---|---|---|---|---|---|"]
     for label, experts, dim, hidden, rows in SHAPES:
-        for dtype in dtypes_to_time(device):
-            timings = time_expert_paths(experts, dim, hidden, rows, dtype, device, repeats=5)
-            grouped, loop = timings["grouped"], timings["loop"]
-            lines.append(f"| {label} ({experts} x {dim} x {hidden}) | {str(dtype)[6:]} | {rows:,} | "
-                         f"{grouped * 1e3:.2f} | {loop * 1e3:.2f} | {loop / grouped:.2f}x |")
-            print(lines[-1], flush=True)
+        for line in expert_rows(label, experts, dim, hidden, rows, device, repeats=5):
+            lines.append(line)
+            print(line, flush=True)
     lines += trainer_lines
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
+
+
+def expert_rows(label: str, experts: int, dim: int, hidden: int, rows: int, device: torch.device,
+                repeats: int) -> list[str]:
+    """One table row per dtype: both expert paths' best forward + backward time."""
+    lines = []
+    for dtype in dtypes_to_time(device):
+        timings = time_expert_paths(experts, dim, hidden, rows, dtype, device, repeats=repeats)
+        grouped, loop = timings["grouped"], timings["loop"]
+        lines.append(f"| {label} ({experts} x {dim} x {hidden}) | {str(dtype)[6:]} | {rows:,} | "
+                     f"{grouped * 1e3:.2f} | {loop * 1e3:.2f} | {loop / grouped:.2f}x |")
+    return lines
 
 
 def trainer_section(steps: int) -> list[str]:

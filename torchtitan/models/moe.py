@@ -166,13 +166,15 @@ def _grouped_swiglu(x, w1, w2, w3, counts):
 
 
 def _looped_swiglu(x, w1, w2, w3, counts):
-    outputs, start = [], 0
-    for expert, count in enumerate(counts.tolist()):
-        # An expert without tokens still multiplies an empty slice: its weights then get a zero gradient,
-        # which every rank's gradient reduction expects.
-        rows = x[start:start + count]
+    # Split once: each expert's gradient is then its own slice, stacked once in backward. Indexing w1[e] per
+    # expert instead made every expert's backward allocate and add a zero gradient the size of all experts.
+    # The same for the tokens (split, not sliced: a slice's backward pads to all of x).
+    w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    outputs = []
+    # An expert without tokens still multiplies an empty slice: its weights then get a zero gradient, which
+    # every rank's gradient reduction expects.
+    for expert, rows in enumerate(x.split(counts.tolist())):
         outputs.append((F.silu(rows @ w1[expert]) * (rows @ w3[expert])) @ w2[expert])
-        start += count
     return torch.cat(outputs)
 
 
