@@ -27,16 +27,21 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-def measured_once(file_name: str, key: str, measure: Callable[[], Any]) -> tuple[Any, bool]:
+def measured_once(file_name: str, key: str, measure: Callable[[], Any],
+                  keep: Callable[[Any], bool] = lambda value: True) -> tuple[Any, bool]:
     """(the value cached under ``key`` in the JSON file ``file_name`` of the cache folder, else ``measure()``
     stored there; whether it was measured now). A file lock makes concurrent processes wait for one
-    measurement instead of all measuring at once (and slowing each other down); the file is replaced whole."""
+    measurement instead of all measuring at once (and slowing each other down); the file is replaced whole.
+    A value ``keep`` refuses (e.g. a verdict within the noise) is returned but not stored: measured again."""
     path = cache_dir() / file_name
     with locked(path.with_suffix(".lock")):
         cache = json.loads(path.read_text()) if path.exists() else {}
         if key in cache:
             return cache[key], False
-        cache[key] = measure()
+        value = measure()
+        if not keep(value):
+            return value, True
+        cache[key] = value
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(cache, indent=1))
         os.replace(tmp, path)

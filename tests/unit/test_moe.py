@@ -1,6 +1,8 @@
 """The MoE layer (models/moe.py) against plain references: fp32, fresh random inputs every run."""
 
+import json
 import math
+import time
 
 import pytest
 import torch
@@ -289,3 +291,67 @@ def test_flops_per_token_counts_active_parameters_by_hand():
         layers * 6 * 3 * dim * 32
     assert math.isclose(expected, 6 * active + 12 * 4 * 4 * 16 * 32)
 
+
+class _SlowedLoop:
+    """The loop path made ``seconds_per_row`` slower on a clock that runs ahead of the real one; records the
+    rows of every call."""
+
+    def __init__(self, monkeypatch, seconds_per_row: float):
+        from torchtitan.models import moe as moe_module
+
+        self.rows, self.ahead, real = [], 0.0, moe_module._looped_swiglu
+
+        def slowed(x, *args):
+            self.rows.append(x.shape[0])
+            self.ahead += seconds_per_row * x.shape[0]
+            return real(x, *args)
+
+        monkeypatch.setattr(moe_module, "_looped_swiglu", slowed)
+
+    def clock(self) -> float:
+        return time.perf_counter() + self.ahead
+
+
+@pytest.mark.parametrize("seconds_per_row, rows", [
+    (0.0, [256] * 4 + [512] * 4 + [1024] * 4),  # fast paths: every size, warm-up and 3 rounds each
+    (1e-3, [256] * 4),  # 1 s at 256 tokens: 512 would end past the 3 s budget
+    (1e-2, [256] * 2),  # a pass over the budget: only the warm-up and the one round a verdict needs
+])
+def test_auto_probe_stops_where_its_budget_says(monkeypatch, seconds_per_row, rows):
+    from torchtitan.components.expert_load import probe_expert_paths
+
+    loop = _SlowedLoop(monkeypatch, seconds_per_row)
+    result = probe_expert_paths(8, DIM, HIDDEN, 1024, torch.float32, torch.device("cpu"), budget_seconds=3.0,
+                                clock=loop.clock)
+    assert loop.rows == rows
+    assert result["tokens"] == rows[-1]
+    if seconds_per_row:
+        assert result["loop"] >= seconds_per_row * rows[-1] > result["grouped"]
+
+
+@pytest.mark.parametrize("grouped, loop, cached, measurements", [
+    (1.00, 1.05, False, 2),  # 5% apart, the noise 10%: used, not cached, timed again at the next start
+    (1.00, 1.25, False, 2),  # 25% apart, but the rounds themselves spread 30%
+    (2.00, 1.00, True, 1),
+])
+def test_auto_caches_only_a_verdict_beyond_the_noise(monkeypatch, tmp_path, grouped, loop, cached, measurements):
+    from torchtitan.components import expert_load
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+    noise = 0.3 if loop == 1.25 else 0.1
+    probes, logged = [], []
+    monkeypatch.setattr(expert_load, "probe_expert_paths", lambda *args: probes.append(args) or {
+        "grouped": grouped, "loop": loop, "tokens": 256, "noise": noise})
+    monkeypatch.setattr(expert_load.logger, "info", logged.append)
+    for _ in range(2):
+        path, why = expert_load.choose_expert_path("auto", 8, DIM, HIDDEN, 512, torch.float32, torch.device("cpu"))
+    assert len(probes) == measurements and path == ("grouped" if grouped < loop else "loop")
+    margin = max(grouped, loop) / min(grouped, loop) - 1
+    verdict = (f"cached, margin beyond the noise ({noise:.0%})" if cached else
+               f"within the noise ({noise:.0%}): not cached, timed again at the next start")
+    assert why == (f"auto: {grouped * 1e3:.2f} ms grouped vs {loop * 1e3:.2f} ms loop, {path} faster by "
+                   f"{margin:.1%}, {verdict}; 8 experts of {DIM} x {HIDDEN}, 256 tokens, torch.float32")
+    # Said before measuring, with the budget.
+    assert len(logged) == measurements and "timing the grouped and loop paths" in logged[0] and "3 s" in logged[0]
+    cache = tmp_path / expert_load.EXPERT_PATH_CACHE_FILE
+    assert len(json.loads(cache.read_text()) if cache.exists() else {}) == cached

@@ -11,6 +11,7 @@ the weights (models/moe.py).
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,21 @@ from torchtitan.log import logger
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
 
 EXPERT_PATH_CACHE_FILE = "expert_path.json"
-EXPERT_PATH_CACHE_VERSION = 2
-# The kernel timing stays small: at most this many tokens, and none for experts larger than this many bytes
+EXPERT_PATH_CACHE_VERSION = 3
+# The timing probe stays small: at most this many tokens, and none for experts larger than this many bytes
 # (the grouped kernel is then taken where it runs).
 _TIMING_MAX_TOKENS = 8192
 _TIMING_MAX_BYTES = 256 * 2**20
-
+# It starts at this many tokens and doubles them while the time measured so far says the next size ends
+# within the budget; the smallest size always runs, so there is a verdict even where a path is very slow.
+_PROBE_MIN_TOKENS = 256
+_PROBE_BUDGET_SECONDS = 3.0
+# Timed rounds per size (after one warm-up round), each path once per round, interleaved so that a
+# neighbour's load slows both alike.
+_PROBE_ROUNDS = 3
+# Two timings of the same work on a shared machine differ by this much (seen: 14.4 s vs 15.3 s under
+# contention); a verdict closer than this, or than the spread its own rounds showed, is not cached.
+_PROBE_NOISE_FLOOR = 0.10
 
 def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, checkpoint: CheckpointConfig,
                     hf_has_expert_bias: bool, changed_from_defaults: list[str] = ()) -> list[tuple[str, str]]:
@@ -81,9 +91,10 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     """("grouped" or "loop", why) for ``moe.expert_compute = requested`` on experts of this rank's shape
     (``num_experts`` local experts of ``dim`` x ``hidden``, ``tokens`` routed rows per micro-batch).
 
-    ``auto`` times both paths' forward and backward once per device, dtype and shape (cached beside the CPU
-    peak); global rank 0 measures and the others follow, so every rank computes the same way. Every rank
-    must call it.
+    ``auto`` times both paths' forward and backward within a time budget (``probe_expert_paths``) and caches
+    the verdict per device, dtype and shape (beside the CPU peak) when its margin is beyond the noise; a
+    near-tie is used but measured again at the next start. Global rank 0 measures and the others follow, so
+    every rank computes the same way. Every rank must call it.
     """
     runs = grouped_mm_supported(dtype, device, dim, hidden)
     if requested != "auto":
@@ -98,14 +109,18 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
     tokens = min(tokens, _TIMING_MAX_TOKENS)
     key = (f"v{EXPERT_PATH_CACHE_VERSION}|{_device_name(device)}|{dtype}|{num_experts}x{dim}x{hidden}|{tokens}|"
            f"torch {torch.__version__}")
-    timings = None
+    timings, cached = None, False
     if device_rank() == 0:
         def measure() -> dict[str, float]:
-            return time_expert_paths(num_experts, dim, hidden, tokens, dtype, device)
+            logger.info(f"MoE expert_compute = 'auto': timing the grouped and loop paths on {num_experts} experts "
+                        f"of {dim} x {hidden} in {dtype} (up to {tokens} tokens, at most "
+                        f"~{_PROBE_BUDGET_SECONDS:g} s; a clear verdict is cached in {cache_dir()})")
+            return probe_expert_paths(num_experts, dim, hidden, tokens, dtype, device)
 
         try:
             try:
-                timings, _ = measured_once(EXPERT_PATH_CACHE_FILE, key, measure)
+                timings, measured = measured_once(EXPERT_PATH_CACHE_FILE, key, measure, keep=_is_clear)
+                cached = not measured or _is_clear(timings)
             except OSError as e:  # a read-only cache folder only costs a measurement next time
                 logger.warning(f"could not cache the MoE expert timing in {cache_dir()}: {e}")
                 timings = measure()
@@ -119,36 +134,97 @@ def choose_expert_path(requested: str, num_experts: int, dim: int, hidden: int, 
         choice = torch.tensor([path == "grouped"], dtype=torch.int64)
         dist.broadcast(choice, src=0)
         path = "grouped" if choice.item() else "loop"
-    how = f"{timings['grouped'] * 1e3:.2f} ms grouped vs {timings['loop'] * 1e3:.2f} ms loop" \
-        if timings and math.isfinite(timings["grouped"]) else "as measured on rank 0"
-    return path, f"auto: {how} for {num_experts} experts of {dim} x {hidden}, {tokens} tokens, {dtype}"
+    if not timings or not math.isfinite(timings["grouped"]):
+        return path, f"auto: as measured on rank 0, for {num_experts} experts of {dim} x {hidden}, {dtype}"
+    fast, slow = sorted((timings["grouped"], timings["loop"]))
+    verdict = (f"cached, margin beyond the noise ({timings['noise']:.0%})" if cached else
+               f"within the noise ({timings['noise']:.0%}): not cached, timed again at the next start")
+    return path, (f"auto: {timings['grouped'] * 1e3:.2f} ms grouped vs {timings['loop'] * 1e3:.2f} ms loop, "
+                  f"{path} faster by {slow / fast - 1:.1%}, {verdict}; {num_experts} experts of {dim} x {hidden}, "
+                  f"{timings['tokens']} tokens, {dtype}")
+
+
+def _is_clear(timings: dict[str, float]) -> bool:
+    """Whether the faster path wins by more than the noise (then the verdict is worth caching)."""
+    fast, slow = sorted((timings["grouped"], timings["loop"]))
+    return slow > fast * (1 + timings["noise"])
+
+
+class _PathTimer:
+    """Random experts and ``tokens`` rows spread evenly over them; ``time(path)`` runs one forward + backward
+    of a path and returns its seconds on ``clock``."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
+                 device: torch.device):
+        generator = torch.Generator().manual_seed(0)
+        experts = GroupedExperts(dim, hidden, num_experts)
+        with torch.no_grad():
+            for w in experts.parameters():
+                w.copy_(torch.randn(w.shape, generator=generator) * 0.02)
+        self.experts = experts.to(device, dtype)
+        self.x = torch.randn(tokens, dim, generator=generator).to(device, dtype).requires_grad_()
+        self.counts = torch.full((num_experts,), tokens // num_experts, dtype=torch.int64, device=device)
+        self.counts[: tokens % num_experts] += 1
+        self.grad = torch.randn(tokens, dim, generator=generator).to(device, dtype)
+        self.device = device
+
+    def time(self, path: str, clock: Callable[[], float] = time.perf_counter) -> float:
+        self.experts.path = path
+        # Fresh gradients, as a step's first micro-batch writes them (accumulating would add a pass over them).
+        self.experts.zero_grad(set_to_none=True)
+        self.x.grad = None
+        _synchronize(self.device)
+        start = clock()
+        self.experts(self.x, self.counts).backward(self.grad)
+        _synchronize(self.device)
+        return clock() - start
 
 
 def time_expert_paths(num_experts: int, dim: int, hidden: int, tokens: int, dtype: torch.dtype,
                       device: torch.device, repeats: int = 3) -> dict[str, float]:
-    """The fastest of ``repeats`` forward + backward passes of each expert path, in seconds, on random weights
-    and ``tokens`` rows spread evenly over the experts."""
-    generator = torch.Generator().manual_seed(0)
-    experts = GroupedExperts(dim, hidden, num_experts)
-    with torch.no_grad():
-        for w in experts.parameters():
-            w.copy_(torch.randn(w.shape, generator=generator) * 0.02)
-    experts = experts.to(device, dtype)
-    x = torch.randn(tokens, dim, generator=generator).to(device, dtype).requires_grad_()
-    counts = torch.full((num_experts,), tokens // num_experts, dtype=torch.int64, device=device)
-    counts[: tokens % num_experts] += 1
-    grad = torch.randn(tokens, dim, generator=generator).to(device, dtype)
+    """The fastest of ``repeats`` forward + backward passes of each expert path (after a warm-up), in seconds,
+    on random weights and ``tokens`` rows spread evenly over the experts; no time limit (benchmarks)."""
+    timer = _PathTimer(num_experts, dim, hidden, tokens, dtype, device)
     best = {}
     for path in ("grouped", "loop"):
-        experts.path, best[path] = path, math.inf
-        for i in range(repeats + 1):
-            _synchronize(device)
-            start = time.perf_counter()
-            experts(x, counts).backward(grad)
-            _synchronize(device)
-            if i:  # the first run warms up
-                best[path] = min(best[path], time.perf_counter() - start)
+        timer.time(path)
+        best[path] = min(timer.time(path) for _ in range(repeats))
     return best
+
+
+def probe_expert_paths(num_experts: int, dim: int, hidden: int, max_tokens: int, dtype: torch.dtype,
+                       device: torch.device, budget_seconds: float = _PROBE_BUDGET_SECONDS,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Both paths timed at growing token counts, smallest first, within about ``budget_seconds``: {"grouped",
+    "loop": the best forward + backward seconds at the largest count timed, "tokens": that count, "noise": the
+    larger of the noise floor and the spread of that count's rounds, relative}.
+
+    Never starts a size or a round that the times measured so far say would end past the budget; the smallest
+    size's warm-up and first round always run.
+    """
+    deadline = clock() + budget_seconds
+    tokens = min(max_tokens, max(_PROBE_MIN_TOKENS, num_experts))
+    while True:
+        timer = _PathTimer(num_experts, dim, hidden, tokens, dtype, device)
+        rounds = []  # seconds of each path per round, the warm-up first
+        while len(rounds) < _PROBE_ROUNDS + 1:
+            if len(rounds) >= 2 and clock() + sum(rounds[-1].values()) > deadline:
+                break
+            rounds.append({path: timer.time(path, clock) for path in ("grouped", "loop")})
+        timed = rounds[1:]
+        result = {path: min(r[path] for r in timed) for path in ("grouped", "loop")}
+        spread = max(max(r[path] for r in timed) / result[path] - 1 if result[path] > 0 else 0.0
+                     for path in ("grouped", "loop"))
+        result.update(tokens=tokens, noise=max(_PROBE_NOISE_FLOOR, spread))
+        if tokens >= max_tokens:
+            return result
+        bigger = min(2 * tokens, max_tokens)
+        # The next size's rounds scale with its tokens; predicted at twice that, as a larger size can run at a
+        # lower rate (caches).
+        predicted = 2 * sum(sum(r.values()) for r in rounds) * bigger / tokens
+        if clock() + predicted > deadline:
+            return result
+        tokens = bigger
 
 
 def _synchronize(device: torch.device) -> None:
