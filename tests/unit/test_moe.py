@@ -355,3 +355,23 @@ def test_auto_caches_only_a_verdict_beyond_the_noise(monkeypatch, tmp_path, grou
     assert len(logged) == measurements and "timing the grouped and loop paths" in logged[0] and "3 s" in logged[0]
     cache = tmp_path / expert_load.EXPERT_PATH_CACHE_FILE
     assert len(json.loads(cache.read_text()) if cache.exists() else {}) == cached
+
+
+@pytest.mark.parametrize("field", ["moe.aux_loss_coeff", "moe.bias_update_rate"])
+def test_non_finite_moe_coefficients_are_refused_by_the_config_check_and_the_trainer(monkeypatch, tmp_path, field):
+    import sys
+
+    from tests.bad_input import assert_one_line_error
+    from torchtitan import train
+    from torchtitan.config import __main__ as config_cli
+
+    def check_config(argv):
+        monkeypatch.setattr(sys, "argv", ["python -m torchtitan.config", *argv])
+        return config_cli.main()
+
+    for value in ("nan", "inf"):
+        argv = ["--job.config_file", "train_configs/qwen3_moe_debug.toml", f"--{field}", value,
+                "--job.dump_folder", str(tmp_path)]
+        for entry_point in (check_config, train.main):
+            assert_one_line_error(entry_point, argv, f"{field} = {value} is invalid; it must be >= 0 and finite")
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -49,10 +49,12 @@ def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, che
     (full key, reason) pairs. ``hf_has_expert_bias``: the family's Hugging Face format has a routing bias;
     ``changed_from_defaults``: the MoE options changed from their defaults (keys, e.g. "moe.router_dtype")."""
     problems = []
-    if cfg.bias_update_rate < 0:
-        problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 (0 turns the balancing off)"))
-    if cfg.aux_loss_coeff < 0:
-        problems.append(("moe.aux_loss_coeff", "is invalid; it must be >= 0 (0 turns the loss off)"))
+    # Comparisons pass nan (and inf >= 0): a nan coefficient silently acted as 0, a nan rate or inf broke the bias.
+    if not (math.isfinite(cfg.bias_update_rate) and cfg.bias_update_rate >= 0):
+        problems.append(("moe.bias_update_rate", "is invalid; it must be >= 0 and finite (0 turns the "
+                         "balancing off)"))
+    if not (math.isfinite(cfg.aux_loss_coeff) and cfg.aux_loss_coeff >= 0):
+        problems.append(("moe.aux_loss_coeff", "is invalid; it must be >= 0 and finite (0 turns the loss off)"))
     if cfg.aux_loss_type != "sequence" and cfg.aux_loss_coeff == 0:
         problems.append(("moe.aux_loss_type", "would do nothing: moe.aux_loss_coeff is 0 (the auxiliary loss is off)"))
     if model_args is None or problems:
