@@ -18,12 +18,12 @@ from torchtitan.hf_checkpoint import is_hf_folder
 from torchtitan.inference import build_model, load_hf_weights
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("hf_folder", type=Path)
     parser.add_argument("output", type=Path)
     parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not is_hf_folder(args.hf_folder):
         print(f"error: {args.hf_folder} has no config.json and *.safetensors", file=sys.stderr)
         return 2

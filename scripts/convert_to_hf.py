@@ -17,7 +17,7 @@ from torchtitan.hf_checkpoint import write_hf_folder
 from torchtitan.inference import build_model, load_dcp_model
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--include_mtp", action="store_true",
                         help="also write the multi-token prediction blocks (default: the config's "
                              "checkpoint.hf_include_mtp)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
         include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp

@@ -10,11 +10,10 @@ The checkpoint may be a DCP step folder (full or model-only export) or a Hugging
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from torchtitan.components.checkpoint import CheckpointError, ModelState
-from torchtitan.components.checkpoint_storage import reader_for, verify_checkpoint
+from torchtitan.components.checkpoint import CheckpointError, ModelState, load_state
+from torchtitan.components.checkpoint_storage import verify_checkpoint
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
 from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
@@ -38,16 +37,19 @@ def build_model(cfg: JobConfig, device: torch.device | str = "cpu", mtp: bool = 
 def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:
     if spec.state_dict_adapter is None:
         raise CheckpointError(f"model family has no Hugging Face adapter; cannot load {folder}")
-    state = read_hf_model_state(folder, spec.state_dict_adapter(model.args))
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    state = read_hf_model_state(folder, spec.state_dict_adapter(model.args), expected)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def load_dcp_model(model: nn.Module, location: str | Path) -> None:
-    """Model weights from a DCP checkpoint folder or URL."""
-    verify_checkpoint(str(location))
-    dcp.load({"model": ModelState([model])}, storage_reader=reader_for(str(location)), no_dist=True)
+    """Model weights from a DCP checkpoint folder or URL, checked against the model's names and shapes first."""
+    state = ModelState([model])
+    if reason := state.refusal(verify_checkpoint(str(location))):
+        raise CheckpointError(f"cannot load checkpoint {location}: {reason}")
+    load_state({"model": state}, str(location), no_dist=True)
 
 
 def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:

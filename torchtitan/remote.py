@@ -58,28 +58,48 @@ class RemoteError(Exception):
     """A URL cannot be reached or read; the message names it."""
 
 
+# What fsspec implementations report that changes when an object is rewritten (s3: ETag, LastModified; gcs: etag,
+# generation; local and memory: mtime or created; hf: the blob's id and commit); size for the rest.
+_VERSION_KEYS = ("size", "ETag", "etag", "LastModified", "last_modified", "updated", "generation", "md5Hash", "mtime",
+                 "created", "blob_id", "last_commit")
+
+
+def _version(info: dict) -> str:
+    return " ".join(f"{key}={info[key]}" for key in _VERSION_KEYS if info.get(key) is not None)
+
+
 @contextmanager
 def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
     """A local folder holding ``location``'s files that match ``pattern``: the folder itself when it is local,
     else a copy of the URL's matching top-level files in the cache folder ($TORCHTITAN_CACHE_DIR/fetched/),
     made once per machine: the first process copies under a file lock (the others wait and reuse it) and marks
-    the copy complete last. Weights of a large model are read by every rank of a node; one copy serves them."""
+    the copy complete last. Weights of a large model are read by every rank of a node; one copy serves them.
+
+    The copy is kept for the remote files as listed now (names, sizes, ETags or modification times): once one
+    of them changes (e.g. a broken file is repaired), the next call copies them again."""
     if not is_url(location):
         yield Path(location)
         return
     from torchtitan.cache import cache_dir, filled_once
 
+    try:
+        fs, root = filesystem(location)
+        listed = sorted(((info["name"], info) for info in fs.ls(root, detail=True) if info.get("type") != "directory"
+                         and fnmatch.fnmatch(info["name"].rstrip("/").rsplit("/", 1)[-1], pattern)),
+                        key=lambda entry: entry[0])
+    except Exception as e:
+        raise RemoteError(f"{location}: cannot list {pattern}: {one_line(e)}") from None
+    if not listed:
+        raise RemoteError(f"{location}: holds no {pattern} files")
+
     def copy(local: Path) -> None:
         try:
-            fs, root = filesystem(location)
-            names = [p for p in fs.ls(root, detail=False) if fnmatch.fnmatch(p.rstrip("/").rsplit("/", 1)[-1], pattern)]
-            for name in names:
+            for name, _ in listed:
                 fs.get_file(name, str(local / name.rstrip("/").rsplit("/", 1)[-1]))
         except Exception as e:
             raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
-        if not names:
-            raise RemoteError(f"{location}: holds no {pattern} files")
 
     local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
-    filled_once(local, ".complete", f"{location}\n".encode(), copy)
+    versions = "".join(f"{name} {_version(info)}\n" for name, info in listed)
+    filled_once(local, ".complete", f"{location}\n{versions}".encode(), copy)
     yield local

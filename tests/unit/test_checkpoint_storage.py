@@ -46,12 +46,19 @@ def test_a_url_step_counts_only_once_its_marker_is_written_and_deletion_drops_th
     assert fs.ls(url.removeprefix("memory:/"), detail=False) == [f"{url.removeprefix('memory:/')}/step-2"]
     calls = []
     real_rm = fs.rm
-    fs.rm = lambda path, **kw: (calls.append(path.rsplit("/", 1)[-1]), real_rm(path, **kw))[1]
+
+    def rm(path, **kw):
+        calls.append(sorted(p.rsplit("/", 1)[-1] for p in path) if isinstance(path, list) else path.rsplit("/", 1)[-1])
+        return real_rm(path, **kw)
+
+    fs.rm = rm
     try:
         storage.delete("step-2")
     finally:
         del fs.rm
-    assert calls == [".complete", "step-2"] and storage.steps() == []
+    # The completion marker goes first, the shards next; the in-progress marker (written first) goes with the folder,
+    # last: a delete cut short is an unfinished operation of ours, removed on the next start.
+    assert calls == [".complete", [".metadata", "__0_0.distcp"], "step-2"] and storage.steps() == []
 
 
 def test_a_url_checkpoint_missing_a_file_is_refused_naming_it(url):
@@ -161,16 +168,24 @@ def test_a_folder_written_locally_is_uploaded_then_marked_and_fetched_back(url, 
         assert again == local and fetches == []  # one copy per machine, reused
 
 
-def test_an_unmarked_step_is_removed_on_start_unless_it_holds_metadata(url, caplog):
+def test_on_start_only_saves_of_ours_cut_short_are_removed_and_unmarked_steps_are_refused(url):
     storage = open_storage(url)
-    save(storage, "step-3", torch.randn(2))  # written to the end (metadata and all), never marked
-    storage.begin("step-5")  # cut short before anything was written
-    fsspec.filesystem("memory").pipe_file(f"{url.removeprefix('memory:/')}/step-5/__0_0.distcp", b"partial")
+    save(storage, "step-3", torch.randn(2))
+    storage.commit("step-3")  # in-progress marker dropped, completion marker written
+    save(storage, "step-5", torch.randn(2))  # written to the end (metadata and all), cut short before its marker
+    storage.begin("step-6")  # cut short before anything was written
+    fs, root = fsspec.filesystem("memory"), url.removeprefix("memory:/")
+    fs.pipe_file(f"{root}/step-7/__0_0.distcp", b"another tool's")  # neither marker: not ours
+    fs.pipe_file(f"{root}/notes.txt", b"not a step: never looked at")
+    assert storage.unowned() == ["step-7 (no .complete marker)"]
     storage.remove_incomplete()
-    listed = fsspec.filesystem("memory").ls(url.removeprefix("memory:/"), detail=False)
-    names = sorted(p.rsplit("/", 1)[-1] for p in listed)
-    assert names == ["step-3"] and storage.steps() == []
-    assert "step-3 has no .complete marker, so it is not loaded" in caplog.text
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    assert names == ["notes.txt", "step-3", "step-7"] and storage.steps() == [3]
+    assert not fs.exists(f"{root}/step-3/.in-progress")
+    fs.rm(f"{root}/step-3/.complete")  # a completion marker deleted by hand: not ours to remove any more
+    with pytest.raises(CheckpointError, match=r"holds step-3 \(no .complete marker; it holds .metadata: to resume "
+                                              r"from it, add its .complete marker\), step-7 \(no .complete marker\)"):
+        storage.refuse_unowned()
 
 
 def test_a_metrics_backend_that_cannot_be_imported_fails_validation_on_every_rank(monkeypatch):

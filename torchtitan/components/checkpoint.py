@@ -12,8 +12,9 @@ or a URL such as ``s3://bucket/run``; see checkpoint_storage.py for how completi
                         model.safetensors, tokenizer files) that transformers loads
 
 Everything we store ourselves is a tensor (steps, token counts, RNG states, the dataloader's stream
-position), so nothing of ours is pickled. DCP's own .metadata file is a pickle: load checkpoints only
-from sources you trust. Weights from elsewhere should come in as Hugging Face safetensors.
+position), so nothing of ours is pickled. DCP's own .metadata file is a pickle, read with an unpickler that
+admits only the classes DCP metadata is made of (checkpoint_storage.py). Weights from elsewhere should come in
+as Hugging Face safetensors.
 """
 
 import json
@@ -145,6 +146,20 @@ class ModelState(Stateful):
         for part in self.model_parts:
             set_model_state_dict(part, state, options=StateDictOptions(strict=False))
 
+    def refusal(self, metadata) -> str | None:
+        """A one-line reason why a DCP checkpoint (its ``metadata``) cannot fill these model parts, else None:
+        weights it lacks, or holds in another shape."""
+        saved = {name.split(".", 1)[1]: entry for name, entry in metadata.state_dict_metadata.items()
+                 if name.startswith("model.")}
+        if reason := self.missing_from(saved):
+            return reason
+        for name, tensor in self.state_dict().items():
+            size = getattr(saved.get(name), "size", None)
+            if size is not None and tuple(size) != tuple(tensor.shape):
+                return (f"it holds {name} with shape {list(size)}, but the model needs {list(tensor.shape)}: it was "
+                        "saved from a model of another size (check model.flavor)")
+        return None
+
     def missing_from(self, available) -> str | None:
         """A one-line reason when weights of these model parts are not among ``available`` names, else None."""
         missing = sorted({canonical_name(name) for part in self.model_parts for name, _ in part.named_parameters()}
@@ -248,6 +263,14 @@ def _first_failure(error: BaseException) -> str:
     return one_line(error)
 
 
+def load_state(state: dict, where: str, no_dist: bool) -> None:
+    """``dcp.load`` from a checkpoint folder or URL (its metadata unpickled restrictedly); failures as one line."""
+    try:
+        dcp.load(state, storage_reader=reader_for(where), no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {where}: {_first_failure(e)}") from None
+
+
 class CheckpointManager:
     """Saves and loads the training state under the [checkpoint] section's rules."""
 
@@ -295,6 +318,8 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return None
+        if not self.cfg.load_only:
+            self.storage.refuse_unowned()  # every rank: one that raised alone would leave the others waiting
         self._remove_incomplete_saves()
         steps = self.storage.steps()
         if self.cfg.load_step != -1:
@@ -331,9 +356,12 @@ class CheckpointManager:
         rank reads the files and keeps its shards."""
         if self.state_dict_adapter is None:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({location})")
+        # Names and shapes are checked against the model's (global shapes, this rank's stages) before any tensor
+        # is read.
+        expected = {name: tensor.shape for name, tensor in self.states["model"].state_dict().items()}
         try:
             with fetched_folder(location, "*.safetensors") as path:
-                state = read_hf_model_state(path, self.state_dict_adapter)
+                state = read_hf_model_state(path, self.state_dict_adapter, expected)
         except RemoteError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
         if reason := self.states["model"].missing_from(state):
@@ -347,18 +375,12 @@ class CheckpointManager:
         metadata = verify_checkpoint(where)
         stored = {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
         keys = [k for k in keys if k not in OPTIONAL_KEYS or k in stored]
-        if "model" in keys:
-            saved = (name.split(".", 1)[1] for name in metadata.state_dict_metadata if name.startswith("model."))
-            if reason := self.states["model"].missing_from(saved):
-                raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
+        if "model" in keys and (reason := self.states["model"].refusal(metadata)):
+            raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
         for key in keys:
             if hasattr(self.states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
                 self.states[key].prepare_load(metadata)
-        state = {k: self.states[k] for k in keys}
-        try:
-            dcp.load(state, storage_reader=reader_for(where), no_dist=self.no_dist)
-        except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-            raise CheckpointError(f"cannot load checkpoint {where}: {_first_failure(e)}") from None
+        load_state({k: self.states[k] for k in keys}, where, self.no_dist)
 
     def _remove_incomplete_saves(self) -> None:
         """Drop what a run killed mid-save left behind; complete checkpoints are untouched. Not with load_only:
@@ -376,6 +398,7 @@ class CheckpointManager:
         A single process writes it (validation makes sure), so every later layout starts from the same
         weights. Refuses a folder that already holds checkpoints: a seed starts a new run.
         """
+        self.storage.refuse_unowned()
         existing = self.storage.steps()
         if existing:
             raise CheckpointError(f"checkpoint.create_seed_checkpoint: {self.storage.location} already holds "

@@ -4,15 +4,25 @@ What "complete" means differs, because object stores have no atomic rename (a "m
 by object):
 
 - Local folder: a checkpoint is written to ``step-N.partial/`` and renamed to ``step-N/`` once every rank is
-  done. The rename is atomic, so ``step-N/`` is either complete or absent.
+  done. The rename is atomic, so ``step-N/`` is either complete or absent; a ``.partial`` folder is an unfinished
+  save (or delete) of this program's and is removed on the next start.
 - URL: a checkpoint is written to ``step-N/`` directly and the marker object ``step-N/.complete`` is written
-  last, after every rank's files and DCP's ``.metadata``. A step without its marker is never loaded and is
-  deleted on the next start; deleting a step removes its marker first, so a half-deleted step is incomplete too.
+  last, after every rank's files and DCP's ``.metadata``. A step without its marker is never loaded. A save
+  begins by writing ``step-N/.in-progress`` (removed once ``.complete`` is there) and a delete writes it again
+  before removing anything, so a step cut short carries it and is deleted on the next start.
+
+Nothing else is ever written over or removed: a step folder that is neither complete nor marked as this
+program's own unfinished save (written by another tool, or its marker deleted) makes the run refuse to start
+(``refuse_unowned``), since its saves would write over it.
+
+DCP's ``.metadata`` file is a pickle. It is read with an unpickler that admits only the classes checkpoint
+metadata is made of, so a crafted file (e.g. in a shared bucket) cannot run code when loaded.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -22,15 +32,19 @@ from typing import TypeVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from torchtitan.log import logger, one_line
 from torchtitan.remote import filesystem, is_url, join
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# The folders a run writes into its checkpoint folder: full checkpoints and model-only exports.
+OUR_FOLDER = re.compile(r"^(export-)?step-\d+$")
 PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
 COMPLETE_MARKER = ".complete"
+IN_PROGRESS_MARKER = ".in-progress"
 T = TypeVar("T")
 
 
@@ -61,8 +75,71 @@ def writer_for(location: str):
 
 
 def reader_for(location: str):
-    """DCP's storage reader for a checkpoint folder or URL."""
-    return _fsspec_dcp().FsspecReader(location) if is_url(location) else FileSystemReader(location)
+    """DCP's storage reader for a checkpoint folder or URL, reading ``.metadata`` with the restricted unpickler."""
+    return _safe_fsspec_reader()(location) if is_url(location) else _SafeFileSystemReader(location)
+
+
+# What DCP's .metadata is made of: its metadata dataclasses, the per-file storage info, sizes, dtypes and
+# layouts, and plain containers. Anything else in the pickle is refused before it is looked up.
+_METADATA_MODULES = {"torch.distributed.checkpoint.metadata": dcp_metadata}
+_ADMITTED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by its name, nothing else
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    *(("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "slice", "int", "float", "bool",
+                                      "str", "bytes", "complex")),
+}
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ADMITTED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
+            return getattr(torch, name)
+        found = getattr(_METADATA_MODULES.get(module), name, None)
+        if isinstance(found, type) and found.__module__ == module:
+            return found
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata is never made of")
+
+
+class _RestrictedMetadata:
+    """``read_metadata`` as DCP's readers do it, with ``_MetadataUnpickler`` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        path = self.fs.concat_path(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                metadata = _MetadataUnpickler(stream).load()
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"refusing checkpoint metadata {path}: {one_line(e)}") from None
+            except Exception as e:  # a truncated or foreign file
+                raise CheckpointError(f"cannot read checkpoint metadata {path}: {one_line(e)}") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"refusing checkpoint metadata {path}: it holds a {type(metadata).__name__}, "
+                                  "not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_RestrictedMetadata, FileSystemReader):
+    pass
+
+
+_FSSPEC_READER: list[type] = []
+
+
+def _safe_fsspec_reader() -> type:
+    """DCP's fsspec reader with the restricted metadata unpickler (its module is imported only for URLs)."""
+    if not _FSSPEC_READER:
+        _FSSPEC_READER.append(type("_SafeFsspecReader", (_RestrictedMetadata, _fsspec_dcp().FsspecReader), {}))
+    return _FSSPEC_READER[0]
 
 
 def _file_sizes(location: str) -> dict[str, int]:
@@ -88,6 +165,8 @@ def verify_checkpoint(location: str) -> Metadata:
         raise CheckpointError(f"{location} is not a complete checkpoint: {METADATA_FILE} is missing")
     try:
         metadata = reader_for(location).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint metadata {join(location, METADATA_FILE)}: "
                               f"{one_line(e)}") from None
@@ -110,16 +189,35 @@ class _Storage:
         """Where the complete checkpoint ``name`` is (a path or URL), for loading and for messages."""
         return join(self.location, name)
 
+    def refuse_unowned(self) -> None:
+        """Refuse to go on when the folder holds step or export folders that are neither complete checkpoints
+        nor this program's own unfinished saves: saving the same step would write over them."""
+        unowned = self.unowned()
+        if unowned:
+            raise CheckpointError(
+                f"checkpoint folder {self.location} holds {', '.join(unowned)}: not a complete checkpoint, nor a save "
+                "this program left unfinished (written by another tool, or its marker was deleted); the run would "
+                "write over it, so it is left alone: move it away, or set checkpoint.folder to another folder")
+
 
 class LocalStorage(_Storage):
-    """A local folder: complete checkpoints are renamed into place (atomic, fsynced)."""
+    """A local folder: complete checkpoints are renamed into place (atomic, fsynced). ``NAME.partial`` folders are
+    this program's own unfinished saves and deletes (nothing else names them so)."""
 
     def __init__(self, location: str):
         self.location = location
         self.folder = Path(location)
 
     def check_reachable(self) -> None:
-        pass  # created on the first save; a bad local path fails there with the OS's message
+        """A path that is (or lies under) a file fails here, before training, instead of at the first save; other
+        bad paths fail at the first save with the OS's message."""
+        path = self.folder
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == self.folder else f"lies under {path}, which is a file"
+            raise CheckpointError(f"checkpoint.folder: {self.location} {where}, not a folder; set checkpoint.folder "
+                                  "(or job.dump_folder) to a folder")
 
     def steps(self) -> list[int]:
         if not self.folder.is_dir():
@@ -130,6 +228,17 @@ class LocalStorage(_Storage):
             if match and (child / METADATA_FILE).is_file():
                 steps.append(int(match.group(1)))
         return sorted(steps)
+
+    def unowned(self) -> list[str]:
+        """Step or export folders (by name) that hold no checkpoint: a DCP .metadata or a Hugging Face
+        config.json, which every folder renamed into place has."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(f"{child.name} (no {METADATA_FILE}" + (" or config.json)" if child.name.startswith("export")
+                                                             else ")")
+                      for child in self.folder.iterdir()
+                      if OUR_FOLDER.match(child.name) and not ((child / METADATA_FILE).is_file() or
+                                                               (child / "config.json").is_file()))
 
     def target(self, name: str) -> str:
         """Where every rank writes ``name`` (once rank 0 has begun it)."""
@@ -147,12 +256,19 @@ class LocalStorage(_Storage):
         _fsync_dir(self.folder)
 
     def delete(self, name: str) -> None:
-        shutil.rmtree(self.folder / name, ignore_errors=True)
+        partial = self.folder / f"{name}{PARTIAL_SUFFIX}"
+        if (self.folder / name).exists():
+            # Renamed first: a delete cut short leaves a .partial folder, removed on the next start, never a
+            # step folder without its .metadata.
+            shutil.rmtree(partial, ignore_errors=True)
+            os.replace(self.folder / name, partial)
+        shutil.rmtree(partial, ignore_errors=True)
 
     def remove_incomplete(self) -> None:
         if self.folder.is_dir():
             for child in self.folder.iterdir():
-                if child.name.endswith(PARTIAL_SUFFIX):
+                base = child.name.removesuffix(PARTIAL_SUFFIX)
+                if base != child.name and OUR_FOLDER.match(base) and child.is_dir():
                     logger.info(f"removing the incomplete checkpoint {child} (a save that was cut short)")
                     shutil.rmtree(child, ignore_errors=True)
 
@@ -164,9 +280,9 @@ class LocalStorage(_Storage):
         return result
 
 
-
 class RemoteStorage(_Storage):
-    """A URL: complete checkpoints carry a marker object, written last (see the module doc)."""
+    """A URL: complete checkpoints carry a marker object, written last; unfinished saves and deletes of this
+    program carry another (see the module doc)."""
 
     def __init__(self, location: str):
         self.location = location.rstrip("/")
@@ -182,11 +298,16 @@ class RemoteStorage(_Storage):
         a typo named.)"""
         try:
             self.fs.ls(self.root, detail=False)
-            return
+            is_file = self.fs.isfile(self.root)
         except FileNotFoundError:
-            pass  # a new folder (object stores have no empty folders)
+            is_file = None  # a new folder (object stores have no empty folders)
         except Exception as e:
             raise CheckpointError(f"checkpoint location {self.location} is unreachable: {one_line(e)}") from None
+        if is_file:
+            raise CheckpointError(f"checkpoint.folder: {self.location} is a file, not a folder; set checkpoint.folder "
+                                  "to a folder")
+        if is_file is not None:
+            return
         probe = self._path(".torchtitan-probe")
         try:
             if "file" in self.fs.protocol:  # a local filesystem needs the folder itself
@@ -200,9 +321,12 @@ class RemoteStorage(_Storage):
     def _path(self, *names: str) -> str:
         return join(self.root, *names)
 
+    def _has(self, name: str, marker: str) -> bool:
+        return self.fs.exists(self._path(name, marker))
+
     def steps(self) -> list[int]:
         return sorted(int(STEP_DIR.match(name).group(1)) for name in self._children()
-                      if STEP_DIR.match(name) and self.fs.exists(self._path(name, COMPLETE_MARKER)))
+                      if STEP_DIR.match(name) and self._has(name, COMPLETE_MARKER))
 
     def _children(self) -> list[str]:
         try:
@@ -211,6 +335,20 @@ class RemoteStorage(_Storage):
             return []
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
+    def _unfinished(self) -> list[str]:
+        """Step and export folders without their completion marker."""
+        return [name for name in self._children() if OUR_FOLDER.match(name) and not self._has(name, COMPLETE_MARKER)]
+
+    def unowned(self) -> list[str]:
+        unowned = []
+        for name in self._unfinished():
+            if self._has(name, IN_PROGRESS_MARKER):
+                continue
+            hint = f"; it holds {METADATA_FILE}: to resume from it, add its {COMPLETE_MARKER} marker" \
+                if self._has(name, METADATA_FILE) else ""
+            unowned.append(f"{name} (no {COMPLETE_MARKER} marker{hint})")
+        return sorted(unowned)
+
     def target(self, name: str) -> str:
         """Where every rank writes ``name`` (once rank 0 has begun it): the final place, marked complete later."""
         return self.where(name)
@@ -218,30 +356,32 @@ class RemoteStorage(_Storage):
     def begin(self, name: str) -> None:
         self.delete(name)  # whatever an interrupted save of this step left
         self.fs.makedirs(self._path(name), exist_ok=True)
+        self.fs.pipe_file(self._path(name, IN_PROGRESS_MARKER), b"")
 
     def commit(self, name: str) -> None:
         self.fs.pipe_file(self._path(name, COMPLETE_MARKER), b"complete\n")
+        if self._has(name, IN_PROGRESS_MARKER):
+            self.fs.rm(self._path(name, IN_PROGRESS_MARKER))
 
     def delete(self, name: str) -> None:
-        marker = self._path(name, COMPLETE_MARKER)
-        if self.fs.exists(marker):
-            self.fs.rm(marker)
-        if self.fs.exists(self._path(name)):
-            self.fs.rm(self._path(name), recursive=True)
+        """Mark the folder as an unfinished operation of ours, drop its completion marker, then its files, the
+        in-progress marker last: a delete cut short is finished on the next start."""
+        folder = self._path(name)
+        if not self.fs.exists(folder):
+            return
+        self.fs.pipe_file(self._path(name, IN_PROGRESS_MARKER), b"")
+        if self._has(name, COMPLETE_MARKER):
+            self.fs.rm(self._path(name, COMPLETE_MARKER))
+        rest = [path for path in self.fs.find(folder) if path.rstrip("/").rsplit("/", 1)[-1] != IN_PROGRESS_MARKER]
+        if rest:
+            self.fs.rm(rest)
+        self.fs.rm(folder, recursive=True)
 
     def remove_incomplete(self) -> None:
-        for name in self._children():
-            if not (STEP_DIR.match(name) or name.startswith("export-step-")) or \
-                    self.fs.exists(self._path(name, COMPLETE_MARKER)):
-                continue
-            if self.fs.exists(self._path(name, METADATA_FILE)):
-                # Written to the end but not marked (or copied here from elsewhere): never loaded, but not
-                # ours to delete unasked either.
-                logger.warning(f"{self.where(name)} has no {COMPLETE_MARKER} marker, so it is not loaded; it holds "
-                               f"{METADATA_FILE}: if it is a complete checkpoint, add the marker, else delete it")
-                continue
-            logger.info(f"removing the incomplete checkpoint {self.where(name)} (a save that was cut short)")
-            self.delete(name)
+        for name in self._unfinished():
+            if self._has(name, IN_PROGRESS_MARKER):
+                logger.info(f"removing the incomplete checkpoint {self.where(name)} (a save that was cut short)")
+                self.delete(name)
 
     def write_folder(self, name: str, write: Callable[[Path], T]) -> T:
         """Write a folder locally (e.g. a Hugging Face export), upload it, then mark it complete."""

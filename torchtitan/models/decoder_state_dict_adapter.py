@@ -43,6 +43,14 @@ _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.w
 _HF_FUSED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
+class UnexpectedWeightError(KeyError):
+    """A Hugging Face tensor name the family does not know (weights of another family, most likely)."""
+
+    def __init__(self, name: str, family: str):
+        super().__init__(f"unexpected Hugging Face weight '{name}' for a {family} model")
+        self.name = name
+
+
 def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows, dim = w.shape
     return w.view(heads, rows // heads // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
@@ -145,7 +153,7 @@ class DecoderStateDictAdapter:
             return f"layers.{match.group(1)}.{self._layer_from_hf[match.group(2)]}"
         if name in self._top_from_hf:
             return self._top_from_hf[name]
-        raise KeyError(f"unexpected Hugging Face weight '{name}' for a {self.family} model")
+        raise UnexpectedWeightError(name, self.family)
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out, dropped = {}, {}
@@ -169,7 +177,9 @@ class DecoderStateDictAdapter:
     def _check_dropped_bias(self, biases: dict[str, torch.Tensor]) -> None:
         """The format has no routing bias: exporting a trained (non-zero) one would change which experts
         the exported model picks, so it is refused unless the user asked to drop it."""
-        largest = max(((t.abs().max().item(), name) for name, t in biases.items()), default=(0.0, ""))
+        # Meta tensors (a check of names and shapes only) hold no values to judge.
+        largest = max(((t.abs().max().item(), name) for name, t in biases.items() if not t.is_meta),
+                      default=(0.0, ""))
         if largest[0] == 0.0:
             return
         if not self.drop_expert_bias:
@@ -206,7 +216,8 @@ class DecoderStateDictAdapter:
         if "tok_embeddings.weight" in out:
             if "output.weight" not in out:
                 out["output.weight"] = out["tok_embeddings.weight"]  # a tied file stores the table once
-            elif self.args.tie_embeddings and not torch.equal(out["output.weight"], out["tok_embeddings.weight"]):
+            elif self.args.tie_embeddings and not out["output.weight"].is_meta and \
+                    not torch.equal(out["output.weight"], out["tok_embeddings.weight"]):
                 # One table serves both ends; an lm_head stored anyway (some exports do) must agree with it.
                 raise ValueError("the flavor ties embeddings but the file's lm_head.weight differs from "
                                  "model.embed_tokens.weight")

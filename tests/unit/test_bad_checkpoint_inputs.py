@@ -1,0 +1,239 @@
+"""Bad checkpoints and Hugging Face weights given to the trainer and the conversion scripts: one line naming the
+file and tensor, no traceback, and nothing that existed before written over or removed."""
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from scripts import convert_from_hf, convert_to_hf
+from tests.bad_input import assert_one_line_error, snapshot
+from torchtitan import train
+from torchtitan.components.checkpoint import ModelState, OptimizerState, TrainState
+from torchtitan.components.checkpoint_storage import open_storage, reader_for, verify_checkpoint, writer_for
+from torchtitan.config import load_config
+from torchtitan.data import build_tokenizer
+from torchtitan.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
+from torchtitan.inference import build_model
+from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+
+TINY = "train_configs/tiny.toml"
+
+
+def trainer_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--job.config_file", TINY, "--training.steps", "1", "--training.mixed_precision_param", "float32",
+            f"--job.dump_folder={tmp_path / 'dump'}", *extra]
+
+
+def hf_folder(config: str, folder: Path) -> Path:
+    """The config's freshly initialised model as a Hugging Face folder."""
+    cfg, _ = load_config(["--job.config_file", config])
+    model, spec = build_model(cfg, mtp=False)
+    adapter = spec.state_dict_adapter(model.args)
+    write_hf_folder(folder, model.state_dict(), adapter, build_tokenizer("assets/tokenizer"), "assets/tokenizer",
+                    "float32")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    return hf_folder(TINY, tmp_path_factory.mktemp("tiny_hf"))
+
+
+def edited(source: Path, target: Path, edit) -> Path:
+    """A copy of the Hugging Face folder ``source`` whose weights ``edit(tensors)`` changed in place."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / WEIGHTS_FILE))
+    edit(tensors)
+    save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
+    return target
+
+
+def test_unmarked_steps_in_the_checkpoint_folder_are_refused_and_left_byte_identical(tmp_path):
+    """Steps another tool wrote (or whose marker was deleted) are neither loaded nor written over."""
+    remote = tmp_path / "remote"  # a file:// folder: complete once step-N/.complete exists
+    (remote / "step-1").mkdir(parents=True)
+    (remote / "step-1" / ".metadata").write_bytes(b"another tool's metadata")
+    (remote / "step-1" / "__0_0.distcp").write_bytes(b"another tool's weights")
+    (remote / "export-step-1").mkdir()
+    (remote / "export-step-1" / "model.safetensors").write_bytes(b"weights")
+    local = tmp_path / "local"  # a plain folder: complete once renamed into place with its .metadata
+    (local / "step-1").mkdir(parents=True)
+    (local / "step-1" / "__0_0.distcp").write_bytes(b"a step without its .metadata")
+    (local / "notes.partial").write_text("not a checkpoint: never touched")
+    before = snapshot(tmp_path)
+    line = assert_one_line_error(train.main, trainer_args(tmp_path, "--checkpoint.enable",
+                                                          f"--checkpoint.folder=file://{remote}"),
+                                 f"checkpoint folder file://{remote} holds export-step-1 (no .complete marker), "
+                                 "step-1 (no .complete marker; it holds .metadata: to resume from it, add its "
+                                 ".complete marker)", "move it away, or set checkpoint.folder", unchanged=before)
+    assert "step: 1" not in line
+    assert_one_line_error(train.main, trainer_args(tmp_path, "--checkpoint.enable", f"--checkpoint.folder={local}"),
+                          f"checkpoint folder {local} holds step-1 (no .metadata)", unchanged=before)
+    assert sorted(p.name for p in remote.iterdir()) == ["export-step-1", "step-1"]
+
+
+def test_a_cut_short_save_of_our_own_is_still_removed_on_start(tmp_path):
+    url = f"file://{tmp_path}/ck"
+    storage = open_storage(url)
+    storage.begin("step-3")  # marked as ours, then cut short
+    (tmp_path / "ck" / "step-3" / "__0_0.distcp").write_bytes(b"half")
+    assert storage.unowned() == []
+    storage.remove_incomplete()
+    assert not (tmp_path / "ck" / "step-3").exists()
+
+
+def test_a_checkpoint_folder_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("precious")
+    before = snapshot(tmp_path)
+    for folder, needle in ((tmp_path / "a_file", f"checkpoint.folder: {tmp_path / 'a_file'} is a file"),
+                           (tmp_path / "a_file" / "sub", f"lies under {tmp_path / 'a_file'}, which is a file"),
+                           (f"file://{tmp_path / 'a_file'}", f"checkpoint.folder: file://{tmp_path / 'a_file'} is a "
+                                                             "file")):
+        args = trainer_args(tmp_path, "--checkpoint.enable", f"--checkpoint.folder={folder}")
+        assert_one_line_error(train.main, args, needle, unchanged=before)
+    assert (tmp_path / "dump" / "metrics.jsonl").read_text() == ""  # refused before step 1 trained
+
+
+def test_bad_hugging_face_weights_fail_in_one_line_naming_the_file_and_tensor(tmp_path, tiny_hf):
+    weights = WEIGHTS_FILE
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    cases = {
+        "shape": (lambda t: t.__setitem__(gate, torch.zeros(t[gate].shape[0] + 8, t[gate].shape[1])),
+                  [f"{weights}: tensor {gate} has shape [200, 64], but this model (Llama, LlamaForCausalLM) "
+                   "needs [192, 64]"]),
+        "family": (lambda t: t.__setitem__("model.layers.1.self_attn.q_norm.weight", torch.ones(16)),
+                   [f"{weights}: unexpected Hugging Face weight model.layers.1.self_attn.q_norm.weight", "model.name"]),
+        "nan": (lambda t: t["model.layers.1.self_attn.v_proj.weight"].view(-1)[5].fill_(float("nan")),
+                [f"{weights}: tensor model.layers.1.self_attn.v_proj.weight holds 1 non-finite values"]),
+    }
+    folders = {name: edited(tiny_hf, tmp_path / name, edit) for name, (edit, _) in cases.items()}
+    folders["truncated"] = truncated = edited(tiny_hf, tmp_path / "truncated", lambda t: None)
+    data = (truncated / weights).read_bytes()
+    (truncated / weights).write_bytes(data[: len(data) // 2])
+    folders["text"] = edited(tiny_hf, tmp_path / "text", lambda t: None)
+    (folders["text"] / weights).write_text("version https://git-lfs.github.com/spec/v1\n")
+    cases["truncated"] = cases["text"] = (None, [f"{weights} is not a complete safetensors file"])
+    before = snapshot(tmp_path)
+    for name, folder in folders.items():
+        line = assert_one_line_error(train.main, trainer_args(tmp_path, "--checkpoint.enable", "--checkpoint.folder",
+                                                              str(tmp_path / f"ck_{name}"),
+                                                              f"--checkpoint.initial_load_path={folder}",
+                                                              "--checkpoint.initial_load_in_hf"),
+                                     str(folder / weights), *cases[name][1], unchanged=before)
+        assert "lower optimizer.lr" not in line
+    # The conversion script checks the same way, and writes nothing.
+    assert_one_line_error(convert_from_hf.main, [str(folders["shape"]), str(tmp_path / "out"), "--config", TINY],
+                          *cases["shape"][1], unchanged=before)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_moe_folder_missing_one_experts_tensors_is_named(tmp_path):
+    folder = hf_folder("train_configs/qwen3_moe_debug.toml", tmp_path / "moe")
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    expert = "model.layers.1.mlp.experts.2"
+    assert f"{expert}.gate_proj.weight" in tensors
+    save_file({k: v for k, v in tensors.items() if not k.startswith(f"{expert}.")}, str(folder / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    before = snapshot(tmp_path)
+    assert_one_line_error(convert_from_hf.main, [str(folder), str(tmp_path / "out"), "--config",
+                                                 "train_configs/qwen3_moe_debug.toml"],
+                          f"{folder} is missing tensor {expert}.", "(and 2 more)", unchanged=before)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_to_hf_refuses_a_checkpoint_of_another_flavor_or_family(tmp_path):
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml"])
+    spec = get_train_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_cls(build_model_args(spec, cfg.model, 2048, 64))
+    model.to_empty(device="cpu")  # the values do not matter, only the names and shapes
+    checkpoint = tmp_path / "debugmodel"
+    dcp.save({"model": ModelState([model])}, checkpoint_id=str(checkpoint), no_dist=True)
+    before = snapshot(tmp_path)
+    assert_one_line_error(convert_to_hf.main, [str(checkpoint), str(tmp_path / "out"), "--config", TINY],
+                          f"cannot load checkpoint {checkpoint}: it holds tok_embeddings.weight with shape "
+                          "[2048, 256], but the model needs [2048, 64]", "model.flavor", unchanged=before)
+    assert_one_line_error(convert_to_hf.main, [str(checkpoint), str(tmp_path / "out"), "--config",
+                                               "train_configs/qwen3_debug.toml"],
+                          f"cannot load checkpoint {checkpoint}: it holds no layers.0.attention.k_norm.weight",
+                          unchanged=before)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_weights_fetched_from_a_url_are_fetched_again_once_the_remote_file_changes(tmp_path, monkeypatch, scheme):
+    import fsspec
+
+    from torchtitan.remote import fetched_folder
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    fs = fsspec.filesystem(scheme)
+    root = str(tmp_path / "remote") if scheme == "file" else f"/{tmp_path.name}/remote"
+    url = f"{scheme}://{root}"
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/model.safetensors", b"broken")
+    with fetched_folder(url, "*.safetensors") as local:
+        assert (local / "model.safetensors").read_bytes() == b"broken"
+    fs.pipe_file(f"{root}/model.safetensors", b"repaired")
+    if scheme == "file":  # a rewrite within the file system's timestamp resolution still changes the size
+        os.utime(f"{root}/model.safetensors", (1, 1))
+    with fetched_folder(url, "*.safetensors") as local:
+        assert (local / "model.safetensors").read_bytes() == b"repaired"
+    fetched = []
+    monkeypatch.setattr(type(fs), "get_file", lambda self, *a, **k: fetched.append(a))
+    with fetched_folder(url, "*.safetensors") as again:  # unchanged: the copy is reused
+        assert again == local and fetched == []
+
+
+class _CreatesAFile:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path):
+    victim = tmp_path / "created_by_unpickling"
+    crafted = tmp_path / "crafted"
+    cfg, _ = load_config(["--job.config_file", TINY])
+    model, _ = build_model(cfg)
+    dcp.save({"model": ModelState([model])}, checkpoint_id=str(crafted), no_dist=True)
+    (crafted / ".metadata").write_bytes(pickle.dumps(_CreatesAFile(victim)))
+    before = snapshot(tmp_path)
+    for location in (str(crafted), f"file://{crafted}"):
+        args = trainer_args(tmp_path, "--checkpoint.enable", "--checkpoint.folder", str(tmp_path / "ck"),
+                            f"--checkpoint.initial_load_path={location}")
+        assert_one_line_error(train.main, args,
+                              f"refusing checkpoint metadata {location}/.metadata: UnpicklingError: it names io.open, "
+                              "which checkpoint metadata is never made of", unchanged=before)
+        assert not victim.exists()
+
+
+def test_every_state_the_trainer_saves_loads_through_the_restricted_reader(tmp_path):
+    """MoE (stacked experts, routing bias), MTP blocks, the optimizer's flattened state with its param groups,
+    the train state's RNG, under a local folder and a URL."""
+    cfg, _ = load_config(["--job.config_file", "train_configs/deepseek_v3_debug.toml"])
+    model, _ = build_model(cfg)
+    assert model.args.mtp_depth == 1 and model.args.moe is not None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 2048, (1, 16))).float().mean().backward()
+    optimizer.step()
+    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], optimizer),
+             "train_state": TrainState(step=7)}
+    for location in (str(tmp_path / "ck"), f"file://{tmp_path}/remote"):
+        dcp.save(state, storage_writer=writer_for(location), no_dist=True)
+        metadata = verify_checkpoint(location)
+        assert "model.layers.4.eh_proj.weight" in metadata.state_dict_metadata  # the MTP block
+        fresh, _ = build_model(cfg)
+        loaded = {"model": ModelState([fresh]), "train_state": TrainState()}
+        dcp.load(loaded, storage_reader=reader_for(location), no_dist=True)
+        assert loaded["train_state"].step == 7
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name], tensor), name
