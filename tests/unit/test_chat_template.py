@@ -1,12 +1,13 @@
 """Chat templates: rendering and assistant masks agree with transformers' apply_chat_template."""
 
+import json
 import pickle
 import random
 import shutil
 
 import pytest
 
-from tests.conftest import TOKENIZER
+from tests.conftest import REPO, TOKENIZER
 from torchtitan.data import build_tokenizer
 from torchtitan.data.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
@@ -15,18 +16,31 @@ from torchtitan.data.chat_template import (
     assistant_token_mask,
 )
 
-# A ChatML-like layout without generation blocks: masks come from prefix renders.
+TEMPLATES = REPO / "tests" / "data" / "chat_templates"
+
+# A ChatML-like layout without generation blocks: masks come from locating the turns in the rendering.
 PLAIN_TEMPLATE = (
     r"{{ bos_token }}{% for message in messages %}"
     r"{{ '<|im_start|>' ~ message['role'] ~ '\n' ~ message['content'] ~ eos_token ~ '\n' }}{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# The same layout with generation blocks around exactly what the prefix renders attribute to the assistant.
+# The same layout with generation blocks written by hand around what should be trained: content and end of turn.
 MARKED_TEMPLATE = (
     r"{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' ~ message['role'] ~ '\n' }}"
-    r"{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] ~ eos_token ~ '\n' }}"
-    r"{% endgeneration %}{% else %}{{ message['content'] ~ eos_token ~ '\n' }}{% endif %}{% endfor %}"
+    r"{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] ~ eos_token }}"
+    r"{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] ~ eos_token ~ '\n' }}{% endif %}{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Turns ended by text, no special token: the trained span is the content alone, so it can end inside the
+# bytes of a character.
+TEXT_TEMPLATE = (
+    r"{% for m in messages %}{{ m['role'] ~ ': ' ~ m['content'] ~ '\n\n' }}{% endfor %}"
+    r"{% if add_generation_prompt %}assistant: {% endif %}"
+)
+TEXT_MARKED_TEMPLATE = (
+    r"{% for m in messages %}{{ m['role'] ~ ': ' }}{% if m['role'] == 'assistant' %}{% generation %}"
+    r"{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ '\n\n' }}{% endfor %}"
+    r"{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
 # Content pieces: words, whitespace runs and newlines (which merge with the header's newline into one
@@ -120,37 +134,207 @@ def runs(ids, mask, tokenizer):
     return found
 
 
-def test_template_without_markers_masks_from_prefix_renders(hf_reference, tokenizers):
-    tokenizer = tokenizers["tokenizer.json"]
+def reference(hf_tokenizer, template, messages, add_generation_prompt=False):
+    """transformers' (ids, assistant mask) for the conversation."""
+    out = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                           add_generation_prompt=add_generation_prompt,
+                                           return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+# Assistant text ending in characters our vocabulary splits into byte tokens (any non-ASCII one; a real vocabulary
+# splits emoji and rare characters).
+NON_ASCII = [
+    [{"role": "assistant", "content": "猫"}],
+    [{"role": "user", "content": "Translate: cat"}, {"role": "assistant", "content": "Katze – chat – 猫"},
+     {"role": "user", "content": "And a face?"}, {"role": "assistant", "content": "Voilà 🙂"}],
+    [{"role": "system", "content": "Réponds en français."}, {"role": "user", "content": "Café?"},
+     {"role": "assistant", "content": "Oui, un café crème 👩\u200d💻"}, {"role": "user", "content": "e\u0301"},
+     {"role": "assistant", "content": "naïve e\u0301"}],
+]
+
+
+def test_masks_mark_every_token_overlapping_the_assistant_text(hf_reference, tokenizers):
+    # transformers marks every token overlapping a span: all byte tokens of a character the span ends in (the
+    # model learns to finish it). With generation blocks, and without them (the spans located in the rendering),
+    # against the same template with the blocks written by hand; both tokenizer formats.
+    for name, tokenizer in tokenizers.items():
+        for plain, marked in ((TEXT_TEMPLATE, TEXT_MARKED_TEMPLATE), (PLAIN_TEMPLATE, MARKED_TEMPLATE)):
+            for messages in NON_ASCII:
+                expected = reference(hf_reference, marked, messages)
+                assert assistant_token_mask(tokenizer, ChatTemplate(marked), messages) == expected, (name, messages)
+                assert assistant_token_mask(tokenizer, ChatTemplate(plain), messages) == expected, (name, messages)
+        ids, mask = assistant_token_mask(tokenizer, ChatTemplate(TEXT_MARKED_TEMPLATE), NON_ASCII[0])
+        cat = tokenizer.encode("猫")
+        assert len(cat) == 3 and ids[-4:-1] == cat and mask[-4:] == [1, 1, 1, 0], name
+
+
+def test_template_without_markers_trains_what_generation_blocks_around_each_turn_would(hf_reference, tokenizers):
     plain, marked = ChatTemplate(PLAIN_TEMPLATE), ChatTemplate(MARKED_TEMPLATE)
     assert not plain.has_generation_markers and marked.has_generation_markers
-    for messages, add_generation_prompt in CONVERSATIONS:
-        expected = hf_reference.apply_chat_template(
-            messages, chat_template=PLAIN_TEMPLATE, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=True,
-        )
-        ids, mask = assistant_token_mask(tokenizer, plain, messages, add_generation_prompt=add_generation_prompt)
-        assert ids == list(expected["input_ids"]), messages
-        # Prefix renders find exactly what generation blocks around the same text mark.
-        assert (ids, mask) == assistant_token_mask(tokenizer, marked, messages, add_generation_prompt), messages
+    for name, tokenizer in tokenizers.items():
+        for messages, add_generation_prompt in CONVERSATIONS:
+            expected = reference(hf_reference, MARKED_TEMPLATE, messages, add_generation_prompt)
+            ids, mask = assistant_token_mask(tokenizer, plain, messages, add_generation_prompt=add_generation_prompt)
+            assert (ids, mask) == expected, (name, messages)  # the two templates render the same text
 
-    eos = "<|end_of_text|>"
+    tokenizer, eos = tokenizers["tokenizer.json"], "<|end_of_text|>"
     by_hand = [
         ([{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}],
-         [f"It is 4.{eos}\n"]),
+         [f"It is 4.{eos}"]),
         ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
           {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Bye"},
           {"role": "assistant", "content": "Goodbye"}],
-         [f"Hello there{eos}\n", f"Goodbye{eos}\n"]),
-        ([{"role": "user", "content": "Translate: cat"}, {"role": "assistant", "content": "Katze – chat – 猫 🐱"},
-          {"role": "user", "content": "Thanks"}],
-         [f"Katze – chat – 猫 🐱{eos}\n"]),
+         [f"Hello there{eos}", f"Goodbye{eos}"]),
     ]
     for messages, assistant_texts in by_hand:
         ids, mask = assistant_token_mask(tokenizer, plain, messages)
         assert runs(ids, mask, tokenizer) == assistant_texts
-        expected = hf_reference.apply_chat_template(messages, chat_template=PLAIN_TEMPLATE, tokenize=True)
-        assert ids == list(expected["input_ids"])
+
+
+# Special tokens of the published templates under test, added to our vocabulary (ids from 2048) in both formats;
+# the tags Qwen3 writes as text are added tokens not marked special, as in its tokenizer.
+EXTRA_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+                 "<s>", "</s>", "[INST]", "[/INST]"]
+EXTRA_PLAIN = ["<think>", "</think>"]
+MODEL_TOKENS = {"qwen3.jinja": (None, "<|im_end|>"), "phi3.jinja": ("<s>", "<|endoftext|>"),
+                "mistral_style.jinja": ("<s>", "</s>")}  # (bos, eos) of each template's model
+
+
+@pytest.fixture(scope="module")
+def model_tokenizers(tmp_path_factory):
+    """For each template of tests/data/chat_templates: our tokenizer in both formats and transformers' fast
+    tokenizer, all built from local files."""
+    import tokenizers as hf_tokenizers
+
+    transformers = pytest.importorskip("transformers")
+    base = hf_tokenizers.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    base.add_special_tokens([hf_tokenizers.AddedToken(t, special=True, normalized=False) for t in EXTRA_SPECIAL])
+    base.add_tokens([hf_tokenizers.AddedToken(t, special=False, normalized=False) for t in EXTRA_PLAIN])
+    added = {str(i): {"content": t.content, "special": t.special} for i, t in base.get_added_tokens_decoder().items()}
+    built = {}
+    for name, (bos, eos) in MODEL_TOKENS.items():
+        folder = tmp_path_factory.mktemp(name.split(".")[0])
+        base.save(str(folder / "tokenizer.json"))
+        shutil.copy(TOKENIZER / "tokenizer.model", folder / "tokenizer.model")
+        config = {"bos_token": bos, "eos_token": eos, "added_tokens_decoder": added}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        ours = [build_tokenizer(str(folder), file) for file in ("tokenizer.json", "tokenizer.model")]
+        theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
+                                                      eos_token=eos)
+        built[name] = ours, theirs, (TEMPLATES / name).read_text()
+    return built
+
+
+def prefix_renders_nest(template, messages, variables):
+    """Whether each assistant message's prefix renders (without, then with it) extend one another and the whole."""
+    whole, _ = template.render(messages, **variables)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before, _ = template.render(messages[:i], add_generation_prompt=True, **variables)
+            through, _ = template.render(messages[:i + 1], **variables)
+            if not (through.startswith(before) and whole.startswith(through)):
+                return False
+    return True
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text, **reasoning):
+    return {"role": "assistant", "content": text, **reasoning}
+
+
+THINK = "<think>\n{}\n</think>\n\n"
+# Three hand-made conversations per template, and the text each trains: every assistant message's reasoning
+# block (as the template renders it for that message), content and end-of-turn token.
+PUBLISHED_CASES = {
+    "qwen3.jinja": [
+        ([{"role": "system", "content": "You are terse."}, user("Hi"), assistant("Hello there."),
+          user("Name a cat breed."), assistant("Siamese 🐱")],
+         ["Hello there.<|im_end|>", THINK.format("") + "Siamese 🐱<|im_end|>"]),
+        # Reasoning under two of its names; Qwen3 drops it from turns before the last user message.
+        ([user("2+2?"), assistant("4.", reasoning_content="Add."), user("And 3+3?"),
+          assistant("6.", thinking="Add again.")],
+         ["4.<|im_end|>", THINK.format("Add again.") + "6.<|im_end|>"]),
+        ([user("Count in French, one per message."), assistant("un", reasoning="Start at 1."),
+          assistant("deux", reasoning_content="Then 2."), assistant("trois ✓")],
+         [THINK.format("Start at 1.") + "un<|im_end|>", THINK.format("Then 2.") + "deux<|im_end|>",
+          THINK.format("") + "trois ✓<|im_end|>"]),
+    ],
+    "phi3.jinja": [
+        ([user("Hi"), assistant("Hello!"), user("Bye"), assistant("Bye!")], ["Hello!<|end|>", "Bye!<|end|>"]),
+        ([{"role": "system", "content": "Be kind."}, user("Bonjour"), assistant("Salut 😊"), user("Ça va?"),
+          assistant("Très bien.")],
+         ["Salut 😊<|end|>", "Très bien.<|end|>"]),
+        ([user("Q1"), assistant("A1"), user("Q2"), assistant(""), user("Q3"), assistant("A3 – done")],
+         ["A1<|end|>", "<|end|>", "A3 – done<|end|>"]),
+    ],
+    "mistral_style.jinja": [
+        ([{"role": "system", "content": "Answer in one word."}, user("Capital of France?"), assistant("Paris")],
+         ["Paris</s>"]),
+        ([user("Hi"), assistant("Hello"), user("Bye"), assistant("Goodbye 👋")], ["Hello</s>", "Goodbye 👋</s>"]),
+        # Ends with a user turn: the system text goes into it, after the trained turns.
+        ([{"role": "system", "content": "Be brief."}, user("1+1?"), assistant("2"), user("2+2?"), assistant("4"),
+          user("Merci")],
+         ["2</s>", "4</s>"]),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_CASES)
+def test_published_templates_train_each_turn_of_multi_turn_conversations(model_tokenizers, name):
+    ours, theirs, source = model_tokenizers[name]
+    for tokenizer in ours:  # tags the model writes as text are not special: an end of turn is
+        assert "<|im_end|>" in tokenizer.special_tokens and not {"<think>", "</think>"} & tokenizer.special_tokens
+    template = ChatTemplate(source)
+    assert not template.has_generation_markers
+    nested = []
+    for messages, trained in PUBLISHED_CASES[name]:
+        expected_ids = list(theirs.apply_chat_template(messages, chat_template=source, return_dict=True)["input_ids"])
+        for tokenizer in ours:
+            ids, mask = assistant_token_mask(tokenizer, template, messages)
+            assert ids == expected_ids
+            assert runs(ids, mask, tokenizer) == trained, (type(tokenizer).__name__, messages)
+        nested.append(prefix_renders_nest(template, messages, {"bos_token": theirs.bos_token or "",
+                                                               "eos_token": theirs.eos_token}))
+    assert not all(nested)  # the cases the prefix-render method refused
+
+
+REASONING_CASES = [  # an assistant message's reasoning fields -> (thinking, reasoning_content) templates see
+    ({"reasoning_content": "R"}, ("R", "R")),
+    ({"thinking": "T"}, ("T", "T")),
+    ({"reasoning": "X"}, ("X", "X")),
+    ({"reasoning_content": "R", "thinking": "T"}, ("T", "R")),  # a thinking of its own is kept
+    ({"reasoning_content": "R", "reasoning": "X"}, ("R", "R")),
+    ({"thinking": "T", "reasoning": "X"}, ("T", "T")),
+    ({"reasoning_content": "R", "thinking": "T", "reasoning": "X"}, ("T", "R")),
+    ({"reasoning_content": None, "thinking": "T"}, ("T", "T")),  # unset: the next name counts
+    ({"reasoning_content": "", "reasoning": "X"}, ("", "")),  # empty is set
+    ({}, ("-", "-")),
+]
+READS_THINKING = "{% for m in messages %}{{ m.role }}[{{ m.thinking if m.thinking is defined else '-' }}]" \
+                 "{{ m.content }}\n{% endfor %}"
+READS_REASONING_CONTENT = READS_THINKING.replace("m.thinking", "m.reasoning_content")
+READS_EVERYTHING = "{{ messages | tojson }}"  # key order too
+
+
+def test_reasoning_fields_reach_templates_as_in_transformers(hf_reference):
+    for fields, (thinking, reasoning_content) in REASONING_CASES:
+        messages = [user("Why?"), assistant("Because.", **fields)]
+        for source, seen in ((READS_THINKING, thinking), (READS_REASONING_CONTENT, reasoning_content)):
+            text, _ = ChatTemplate(source).render(messages)
+            assert text == f"user[-]Why?\nassistant[{seen}]Because.\n", fields
+            assert text == hf_reference.apply_chat_template(messages, chat_template=source, tokenize=False), fields
+        text, _ = ChatTemplate(READS_EVERYTHING).render(messages)
+        assert text == hf_reference.apply_chat_template(messages, chat_template=READS_EVERYTHING, tokenize=False)
+    # The example of the issue: Qwen3 reads reasoning_content, the data says thinking.
+    qwen3 = (TEMPLATES / "qwen3.jinja").read_text()
+    messages = [user("Why?"), assistant("A", thinking="Because.")]
+    text, _ = ChatTemplate(qwen3).render(messages)
+    assert "<think>\nBecause.\n</think>\n\nA<|im_end|>" in text
+    assert text == hf_reference.apply_chat_template(messages, chat_template=qwen3, tokenize=False)
 
 
 def test_tiktoken_path_matches_hf_path(tokenizers):
@@ -213,13 +397,25 @@ def test_errors_are_one_line_chat_template_errors(tokenizers):
     with pytest.raises(ChatTemplateError, match="failed to render: .*not_a_function") as error:
         ChatTemplate("{{ not_a_function() }}").render([])
     assert "\n" not in str(error.value)
-    # Ends differently when the conversation goes on, so the render through message 1 is no prefix.
+    # Ends differently when the conversation goes on, so prefix renders do not nest: located all the same.
     trailing = ("{% for m in messages %}{{ m['role'] ~ ': ' ~ m['content'] ~ '\n' }}{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% else %}END{% endif %}")
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                 {"role": "user", "content": "c"}]
-    with pytest.raises(ChatTemplateError, match="message 1 ") as error:
-        assistant_token_mask(tokenizer, ChatTemplate(trailing), messages)
-    assert "\n" not in str(error.value)
-    ids, mask = assistant_token_mask(tokenizer, ChatTemplate(trailing), messages[:2])  # the last turn is fine
-    assert runs(ids, mask, tokenizer) == [" b\nEND"]  # the token " b" straddles the span's start: it is marked
+    ids, mask = assistant_token_mask(tokenizer, ChatTemplate(trailing), messages)
+    assert runs(ids, mask, tokenizer) == [" b"]  # the token " b" overlaps the span "b": it is marked
+
+    # What cannot be located is refused in one line.
+    qwen3 = ChatTemplate((TEMPLATES / "qwen3.jinja").read_text())
+    twice = ChatTemplate("{% for m in messages %}{{ m['content'] }}|{{ m['content'] }}\n{% endfor %}")
+    unlocatable = [
+        (qwen3, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}],
+         "cannot locate the assistant's text: .* reasoning written inside the content"),
+        (twice, messages, "message 1 \\(assistant\\): cannot locate its text: it has its content rendered 2 times"),
+        (ChatTemplate(PLAIN_TEMPLATE), [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
+         "message 1 \\(assistant\\): cannot locate its text: it has no text content"),
+    ]
+    for template, conversation, message in unlocatable:
+        with pytest.raises(ChatTemplateError, match=message) as error:
+            assistant_token_mask(tokenizer, template, conversation)
+        assert "\n" not in str(error.value)

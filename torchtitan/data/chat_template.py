@@ -10,7 +10,8 @@ does, so data prepared here matches what the model's own tooling produces.
 
 The mask comes from ``{% generation %}...{% endgeneration %}`` blocks when the template has them: each
 records the character span of the text it renders. Templates without them (most on the Hub) get spans
-from rendering prefixes of the conversation instead (see assistant_token_mask).
+located in the conversation's own rendering: each assistant message's reasoning block (if the template
+renders one), content and end of turn (see _located_spans).
 
 Our shipped tokenizer's template (assets/tokenizer/tokenizer_config.json holds it as one line) is
 DEFAULT_CHAT_TEMPLATE below; laid out for reading (this layout's whitespace is not part of it)::
@@ -40,8 +41,10 @@ the model learns to stop, even after an empty reply.
 
 from __future__ import annotations
 
+import bisect
 import contextvars
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -132,6 +135,25 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
+# The names a message's reasoning goes by, in the order transformers (5.x) picks the one that counts.
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """The message with its reasoning also under ``reasoning_content`` and ``thinking``, as transformers
+    passes it: templates read one name or the other (Qwen3 and GLM ``reasoning_content``, gpt-oss
+    ``thinking``) whichever the data used. The first of REASONING_KEYS that is set wins and overwrites
+    ``reasoning_content``; a ``thinking`` the message has is kept. ``thinking`` comes first, as there (a
+    template may list the message's keys)."""
+    reasoning = next((message[key] for key in REASONING_KEYS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    aliased = {"thinking": reasoning}
+    aliased.update(message)
+    aliased["reasoning_content"] = reasoning
+    return aliased
+
+
 class ChatTemplate:
     """A compiled chat template (Jinja source, e.g. a tokenizer_config.json's ``chat_template``)."""
 
@@ -163,13 +185,15 @@ class ChatTemplate:
         """The rendered text and the character spans of its generation blocks, in order.
 
         extra holds further template variables, e.g. bos_token and eos_token. Like transformers,
-        ``tools`` and ``documents`` default to None and message keys whose value is None are dropped
-        (templates test ``'content' in message`` or ``message.content is defined``).
+        ``tools`` and ``documents`` default to None, message keys whose value is None are dropped
+        (templates test ``'content' in message`` or ``message.content is defined``) and a message's
+        reasoning is given under the names templates read (see _alias_reasoning).
         """
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ChatTemplateError(f"message {i} is a {type(message).__name__}, not a dict of role and content")
-        messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        messages = [_alias_reasoning({key: value for key, value in message.items() if value is not None})
+                    for message in messages]
         variables = {"tools": None, "documents": None, **extra}
         tracker = [0, []]
         token = _TRACKER.set(tracker)
@@ -191,35 +215,24 @@ class ChatTemplate:
         return "".join(pieces), tracker[1]
 
 
-def _char_to_token(offsets: Sequence[tuple[int, int]]) -> dict[int, int]:
-    # The first token whose offsets contain each character: Hugging Face's Encoding.char_to_token.
-    # Characters no token covers are absent.
-    first: dict[int, int] = {}
-    for index, (start, end) in enumerate(offsets):
-        for char in range(start, end):
-            first.setdefault(char, index)
-    return first
-
-
 def _mark_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
-    """0/1 per token: 1 from the token of each span's first character through that of its last.
+    """0/1 per token: 1 where the token's characters overlap a span, the rule of transformers'
+    ``return_assistant_tokens_mask`` (5.x), so masks agree token for token.
 
-    The rule of transformers' return_assistant_tokens_mask, quirks included so masks agree: a span
-    whose first character has no token stops the marking of it and of all later spans; a last
-    character with no token (or in token 0) marks through the end; an empty span (s, s) looks up
-    characters s and s - 1, so it usually marks nothing (at s = 0 transformers fails; here it marks nothing).
+    A character the tokenizer splits into several byte tokens gives each of them its whole offsets, so all
+    of them are marked and the model learns to finish the character. Tokens and spans are walked together
+    in order, as transformers does: a span is left behind once a token starts at or after its end, and a
+    token is tested against the first span not left behind only.
     """
-    char_to_token = _char_to_token(offsets)
     mask = [0] * len(offsets)
-    for start_char, end_char in spans:
-        if end_char == 0:
-            continue
-        start_token = char_to_token.get(start_char)
-        end_token = char_to_token.get(end_char - 1)
-        if start_token is None:
+    remaining = iter(spans)
+    span = next(remaining, None)
+    for index, (start, end) in enumerate(offsets):
+        while span is not None and start >= span[1]:
+            span = next(remaining, None)
+        if span is None:
             break
-        for index in range(start_token, end_token + 1 if end_token else len(mask)):
-            mask[index] = 1
+        mask[index] = int(end > span[0])
     return mask
 
 
@@ -229,29 +242,153 @@ def _template_variables(tokenizer: Tokenizer) -> dict[str, str]:
     return {name: token for name, token in names.items() if token is not None}
 
 
-def _prefix_spans(template: ChatTemplate, messages: Messages, text: str, variables: dict) -> list[tuple[int, int]]:
-    """Assistant spans of a template without generation blocks, from renders of conversation prefixes.
+# Stands in for a message's content in the locating render (see _located_spans). Capital letters and digits
+# only, so that what templates do to content (strip it, split it at a tag, test its prefix) leaves it whole.
+_FIELD_MARKER = "TTCHATFIELD7F3A9C"
+_MARKER_PATTERN = re.compile(_FIELD_MARKER + r"M(\d+)Z")
+# Readings of the real render tried before a conversation is refused (see _place_contents); real
+# conversations need one per message.
+_PLACEMENT_BUDGET = 100_000
 
-    The conversation up to an assistant message, rendered with the generation prompt, is what the
-    model sees before it writes that message; rendering one message more appends what it wrote. That
-    holds only if each render is a prefix of the next and of the whole conversation's text, so it is
-    checked (templates that rewrite earlier turns, e.g. drop old reasoning, fail it).
+
+def _place_contents(text: str, pieces: list[str], values: list[str]) -> list[tuple[int, int]] | None:
+    """The (start, end) in ``text`` of each content, given the locating render cut at its markers.
+
+    ``text`` must read pieces[0], values[0] as rendered, pieces[1], ..., pieces[-1] (one piece more than
+    values). A content's rendering is taken to be a substring of it (templates strip or cut content; they
+    do not rewrite it). Where that allows several readings (a content holding the template's own text), the
+    longest rendering is tried first and the next on a dead end. None if there is no reading.
     """
+    if not values:
+        return [] if text == pieces[0] else None
+
+    def ends(k: int, start: int) -> list[int]:
+        # Where content k can end: followed by its piece, and for the last content by nothing else.
+        value, piece = values[k], pieces[k + 1]
+        last = len(text) - len(piece)
+        first = max(start, last) if k == len(values) - 1 else start
+        return [end for end in range(first, min(start + len(value), last) + 1)
+                if text.startswith(piece, end) and text[start:end] in value]
+
+    if not text.startswith(pieces[0]):
+        return None
+    chosen: list[tuple[int, int]] = []
+    options = [ends(0, len(pieces[0]))]
+    for _ in range(_PLACEMENT_BUDGET):
+        if not options:
+            return None
+        k = len(options) - 1
+        if not options[k]:  # a dead end: take back the choice that led here
+            options.pop()
+            if chosen:
+                chosen.pop()
+            continue
+        start = len(pieces[0]) if k == 0 else chosen[-1][1] + len(pieces[k])
+        end = options[k].pop()
+        chosen.append((start, end))
+        if k + 1 == len(values):
+            return chosen
+        options.append(ends(k + 1, end + len(pieces[k + 1])))
+    return None
+
+
+def _turn_start(template: ChatTemplate, marked: list, i: int, located: str, markers: list[re.Match],
+                k: int, variables: dict) -> int:
+    """Where assistant message i's trained text begins in the locating render (its content is markers[k]).
+
+    After the generation prompt: the conversation before message i, rendered with the prompt, must read
+    like this render from the previous marker on up to the prompt's end; the rest, up to the content, is
+    what the template writes for the model there (a reasoning block, an empty one) and is trained. The
+    content's own start when there is no prompt (a header cannot be told from the text before it) or the
+    two differ.
+    """
+    content_start = markers[k].start()
+    try:
+        prompt, _ = template.render(marked[:i], add_generation_prompt=True, **variables)
+        if prompt == template.render(marked[:i], add_generation_prompt=False, **variables)[0]:
+            return content_start
+    except ChatTemplateError:
+        return content_start
+    begin, tail = 0, prompt
+    if k > 0:  # align on the previous marker: what comes before it may be rendered differently in a prefix
+        previous = markers[k - 1]
+        same = [m for m in _MARKER_PATTERN.finditer(prompt) if m.group(0) == previous.group(0)]
+        if len(same) != 1:
+            return content_start
+        begin, tail = previous.end(), prompt[same[0].end():]
+    return begin + len(tail) if located.startswith(tail, begin) and begin + len(tail) <= content_start \
+        else content_start
+
+
+def _end_of_turn_length(after: str, special_tokens: frozenset[str]) -> int:
+    """How much of the template text after an assistant content is trained: through its first special
+    token (the end of turn, e.g. <|im_end|>, after any tool calls the template writes), else none."""
+    first = None
+    for token in special_tokens:
+        at = after.find(token)
+        if at >= 0 and (first is None or (at, -len(token)) < (first[0], -first[1])):
+            first = (at, len(token))
+    return 0 if first is None else first[0] + first[1]
+
+
+def _located_spans(template: ChatTemplate, messages: Messages, text: str, add_generation_prompt: bool,
+                   variables: dict, special_tokens: frozenset[str]) -> list[tuple[int, int]]:
+    """Assistant spans of a template without generation blocks, found in the conversation's own rendering.
+
+    The conversation is rendered once more with each message's content replaced by a marker (the locating
+    render); the markers show where each content sits, and the template's text around them is matched
+    onto ``text``, the real rendering. An assistant message's span runs from the end of its header (see
+    _turn_start), so it takes the reasoning block the template renders for it, through its content and
+    the end of turn after it (see _end_of_turn_length). Only the whole conversation is rendered, so
+    templates that render earlier turns differently once the conversation goes on (Qwen3 drops old
+    reasoning, Phi-3 ends with EOS unless prompted) are located like any other.
+    """
+    if _FIELD_MARKER in text:
+        raise ChatTemplateError(f"cannot locate the assistant's text: the conversation contains {_FIELD_MARKER!r}, "
+                                "the marker used to find it")
+    marked = [{**message, "content": f"{_FIELD_MARKER}M{i}Z"} if isinstance(message.get("content"), str)
+              else message for i, message in enumerate(messages)]
+    located, _ = template.render(marked, add_generation_prompt, **variables)
+    markers = list(_MARKER_PATTERN.finditer(located))
+    owners = [int(m.group(1)) for m in markers]
+    cuts = [0] + [point for m in markers for point in (m.start(), m.end())] + [len(located)]
+    pieces = [located[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
+    places = _place_contents(text, pieces, [messages[owner]["content"] for owner in owners])
+    if places is None:
+        raise ChatTemplateError(
+            "cannot locate the assistant's text: the chat template (no {% generation %} blocks) renders this "
+            "conversation differently once its contents are replaced by markers, or rewrites a content (e.g. "
+            "reasoning written inside the content; give it as reasoning_content instead)")
+    marker_ends = [m.end() for m in markers]
+
+    def in_text(position: int) -> int:
+        # Template text keeps its place relative to the content before it.
+        k = bisect.bisect_right(marker_ends, position) - 1
+        return position if k < 0 else places[k][1] + position - marker_ends[k]
+
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before, _ = template.render(messages[:i], add_generation_prompt=True, **variables)
-        through, _ = template.render(messages[: i + 1], **variables)
-        if not through.startswith(before) or not text.startswith(through):
-            raise ChatTemplateError(
-                f"message {i} (assistant): cannot locate its text: the chat template has no {{% generation %}} "
-                "blocks, and its rendering of the messages before this one (with the generation prompt) is not "
-                "a prefix of its rendering through this one, or that is not a prefix of the whole conversation's"
-            )
-        if len(through) > len(before):
-            spans.append((len(before), len(through)))
-    return spans
+        mine = [k for k, owner in enumerate(owners) if owner == i]
+        if not isinstance(message.get("content"), str) or len(mine) != 1:
+            problem = ("has no text content" if not isinstance(message.get("content"), str) else
+                       f"has its content rendered {len(mine)} times by the chat template")
+            raise ChatTemplateError(f"message {i} (assistant): cannot locate its text: it {problem}, and the "
+                                    "template has no {% generation %} blocks to mark it")
+        k = mine[0]
+        start = _turn_start(template, marked, i, located, markers, k, variables)
+        after_end = markers[k + 1].start() if k + 1 < len(markers) else len(located)
+        end = markers[k].end() + _end_of_turn_length(located[markers[k].end():after_end], special_tokens)
+        spans.append((in_text(start), in_text(end)))
+    return sorted(spans)
+
+
+def chat_ids(tokenizer: Tokenizer, template: ChatTemplate, messages: Messages,
+             add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of the rendered conversation (a prompt, with add_generation_prompt), with no mask."""
+    text, _ = template.render(messages, add_generation_prompt=add_generation_prompt, **_template_variables(tokenizer))
+    return tokenizer.encode_chat(text)[0]
 
 
 def assistant_token_mask(tokenizer: Tokenizer, template: ChatTemplate, messages: Messages,
@@ -259,13 +396,14 @@ def assistant_token_mask(tokenizer: Tokenizer, template: ChatTemplate, messages:
     """Token ids of the rendered conversation and a 0/1 mask that is 1 on the assistant's tokens.
 
     With generation blocks the mask equals transformers' ``apply_chat_template(...,
-    return_assistant_tokens_mask=True)``. Without them each assistant message's span comes from
-    prefix renders (see _prefix_spans); a token straddling a span's edge is marked. Training data
-    leaves add_generation_prompt off; it is for prompts that end where the model takes over.
+    return_assistant_tokens_mask=True)``. Without them each assistant message's span is located in the
+    rendering itself (see _located_spans), and the mask equals transformers' for the same template with
+    generation blocks written around those spans. Training data leaves add_generation_prompt off; it is
+    for prompts that end where the model takes over.
     """
     variables = _template_variables(tokenizer)
     text, spans = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
     if not template.has_generation_markers:
-        spans = _prefix_spans(template, messages, text, variables)
+        spans = _located_spans(template, messages, text, add_generation_prompt, variables, tokenizer.special_tokens)
     ids, offsets = tokenizer.encode_chat(text)
     return ids, _mark_spans(offsets, spans)

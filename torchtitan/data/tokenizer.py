@@ -118,6 +118,15 @@ class Tokenizer(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement encode_chat")
 
+    @property
+    def special_tokens(self) -> frozenset[str]:
+        """The strings of the tokens marked special (BOS, EOS, a template's end of turn such as <|im_end|>).
+
+        Chat templates write them as markers; where a template has no generation blocks, the first special
+        token after an assistant's content ends its trained text (data/chat_template.py).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement special_tokens")
+
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         return ([self._bos_id] if bos else []) + ids + ([self._eos_id] if eos else [])
 
@@ -205,6 +214,11 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     @property
+    def special_tokens(self) -> frozenset[str]:
+        # Added tokens not marked special (e.g. Qwen3's <think>, <tool_call>) are text the model writes.
+        return frozenset(t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special)
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -221,11 +235,14 @@ class TiktokenTokenizer(Tokenizer):
         pad_token: str | None = None,
         name: str = "tokenizer.model",
         chat_template: str | None = None,
+        not_special: frozenset[str] = frozenset(),
     ):
         self._encoding = tiktoken.Encoding(
             name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens
         )
         self._vocab_size = len(ranks) + len(special_tokens)
+        # tiktoken matches every added token alike; the config's "special": false ones are told apart here.
+        self._special_tokens = frozenset(special_tokens) - not_special
         super().__init__(special_tokens, bos_token, eos_token, pad_token, chat_template)
 
     def _encode_texts(self, texts: list[str]) -> list[list[int]]:
@@ -250,6 +267,10 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
+
+    @property
+    def special_tokens(self) -> frozenset[str]:
+        return self._special_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -313,8 +334,10 @@ def _load_tokenizer_model(folder: pathlib.Path, config: dict) -> Tokenizer:
     path = folder / "tokenizer.model"
     ranks = read_tiktoken_ranks(path)
     added = config.get("added_tokens_decoder")
+    not_special = frozenset()
     if added:
         special_tokens = {entry["content"]: int(token_id) for token_id, entry in added.items()}
+        not_special = frozenset(entry["content"] for entry in added.values() if entry.get("special") is False)
     else:
         first = max(ranks.values()) + 1
         special_tokens = {token: first + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
@@ -322,7 +345,8 @@ def _load_tokenizer_model(folder: pathlib.Path, config: dict) -> Tokenizer:
     if clash:
         raise ValueError(f"{path}: special token ids {sorted(clash)[:5]} are also BPE ranks")
     return TiktokenTokenizer(
-        ranks, special_tokens, name=str(path), **_special_token_names(config), chat_template=_chat_template(config)
+        ranks, special_tokens, name=str(path), **_special_token_names(config), chat_template=_chat_template(config),
+        not_special=not_special,
     )
 
 
