@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from torchtitan.config.job_config import Chat
 from torchtitan.config.validation import import_custom_modules, validate_config
 from torchtitan.data import DataError, build_dataloader, build_tokenizer, document_positions
 from torchtitan.data.chat import PackedChatDataset, encode_conversation, load_pydocs_chat
+from tests.conftest import REPO
 from torchtitan.data.chat_template import ChatTemplate
-from torchtitan.data.sources import register_dataset
+from torchtitan.data.sources import load_documents, register_dataset
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +123,7 @@ def test_bad_rows_give_one_line_errors_naming_the_row(tokenizer, tmp_path):
         "no_messages.jsonl": ([{"messages": good[0]}, {"text": "hi"}], "row 1 has no value in column 'messages'"),
         "bad_role.jsonl": ([{"messages": good[0]}, {"messages": good[1]},
                             {"messages": [{"role": "robot", "content": "x"}]}],
-                          "row 2: the chat template cannot render it: .*unknown chat role 'robot'"),
+                          "bad_role.jsonl: row 2: chat template refused the conversation: unknown chat role 'robot'"),
         "not_dict.jsonl": ([{"messages": ["hello"]}], "row 0: message 0 must be a dict with 'role' and 'content'"),
         "not_list.jsonl": ([{"messages": "hello"}], "row 0: column 'messages' holds str"),
     }
@@ -133,8 +135,83 @@ def test_bad_rows_give_one_line_errors_naming_the_row(tokenizer, tmp_path):
         assert "\n" not in str(error.value)
     failing = ChatTemplate("{% if messages | length > 2 %}{{ raise_exception('too long') }}{% endif %}{{ 'x' }}")
     dataset = PackedChatDataset([good[0][:2], good[1]], tokenizer, seq_len=16, template=failing)
-    with pytest.raises(DataError, match="row 1: the chat template cannot render it: .*too long"):
+    with pytest.raises(DataError, match="^dataset conversations: row 1: chat template refused the conversation: "
+                                        "too long"):
         list(dataset)
+
+
+def chat_file(path, rows):
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in rows))
+    return path
+
+
+def data_error(tokenizer, path, **overrides):
+    """The one-line DataError that loading the first batch of chat data at ``path`` raises."""
+    with pytest.raises(DataError) as error:
+        take(loader(tokenizer, "x", dataset_path=str(path), **overrides), 1)
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_errors_name_the_file_and_its_own_row(tokenizer, tmp_path):
+    good = conversations(3)
+    # A lone surrogate: Python's json reads it, the reader refuses its whole block; the row is found in the file,
+    # and the reader's own count within the block is not repeated.
+    surrogate = chat_file(tmp_path / "surrogate.jsonl", good[:1])
+    with open(surrogate, "a") as f:
+        f.write('{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}\n')
+    message = data_error(tokenizer, surrogate)
+    assert message.startswith(f"{surrogate}: row 1: cannot read: ") and re.findall(r"row \d+", message) == ["row 1"]
+    # In a folder, rows count from 0 in each file.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    chat_file(folder / "a.jsonl", good)
+    chat_file(folder / "b.jsonl", [good[0], [{"role": "robot", "content": "x"}]])
+    assert data_error(tokenizer, folder).startswith(
+        f"{folder / 'b.jsonl'}: row 1: chat template refused the conversation: unknown chat role 'robot'")
+    (folder / "b.jsonl").write_text("")
+    assert data_error(tokenizer, folder) == f"{folder / 'b.jsonl'}: the file is empty (no rows)"
+    # A conversation whose assistant text cannot be located (a template without generation blocks that
+    # rewrites the content: Qwen3 taking reasoning out of it).
+    qwen3 = ChatTemplate((REPO / "tests" / "data" / "chat_templates" / "qwen3.jinja").read_text())
+    inline_reasoning = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}]
+    unlocatable = chat_file(tmp_path / "think.jsonl", [good[0], inline_reasoning])
+    dataset = PackedChatDataset(load_documents("x", str(unlocatable), "train", "messages", "chat"), tokenizer,
+                                seq_len=256, template=qwen3)
+    with pytest.raises(DataError, match=f"^{re.escape(str(unlocatable))}: row 1: cannot locate the assistant's text"):
+        next(iter(dataset))
+
+
+def test_chat_data_with_nothing_to_train_is_refused_naming_it(tokenizer, tmp_path):
+    questions = [[{"role": "user", "content": "hello"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
+    path = chat_file(tmp_path / "questions.jsonl", questions)
+    assert data_error(tokenizer, path) == (
+        f"dataset {str(path)!r}: none of its 2 conversations has an assistant token to train on (an 'assistant' "
+        "message the chat template renders, within seq_len 128), so every step's loss would be 0; add assistant "
+        "replies or set training.chat.train_on = 'all'")
+    # Some conversations without a reply among others: they train, on the others' assistant tokens.
+    mixed = chat_file(tmp_path / "mixed.jsonl", questions + conversations(4))
+    for batch in take(loader(tokenizer, "x", dataset_path=str(mixed)), 3):
+        assert (batch.labels != IGNORE_INDEX).any()
+    batch = take(loader(tokenizer, "x", dataset_path=str(path), chat=Chat(train_on="all")), 1)[0]
+    assert (batch.labels != IGNORE_INDEX).sum() > 10
+
+
+def test_training_on_bad_chat_data_stops_with_one_line(tmp_path):
+    from tests.bad_input import assert_one_line_error, snapshot
+    from torchtitan.train import main
+
+    questions = chat_file(tmp_path / "questions.jsonl", [[{"role": "user", "content": "hello"}]] * 3)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    before = snapshot(tmp_path)
+    for path, needle in ((questions, "has an assistant token to train on"), (empty, "the file is empty")):
+        assert_one_line_error(main, ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
+                                     str(tmp_path / "run"), "--training.dataset_format", "chat",
+                                     "--training.dataset_path", str(path), "--training.steps", "1",
+                                     "--training.seq_len", "64", "--training.local_batch_size", "1"],
+                              str(path), needle, unchanged=before)
 
 
 def test_data_where_no_conversation_fits_is_an_error_not_a_hang(tokenizer):

@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
+from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask, chat_ids
 from torchtitan.data.dataset import StreamPosition, stacked_batch
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
@@ -56,12 +57,22 @@ def check_messages(messages: object, where: str) -> None:
 def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict],
                         train_on: str = "assistant") -> tuple[np.ndarray, np.ndarray]:
     """(input ids, labels) of one conversation: ids[:-1] and the next tokens, ignored outside the trained ones."""
+    if train_on == "all":  # no mask needed, so nothing to locate
+        ids = np.asarray(chat_ids(tokenizer, template, messages), dtype=np.int64)
+        return ids[:-1], ids[1:].copy()
     ids, mask = assistant_token_mask(tokenizer, template, messages)
     ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
     labels = ids[1:].copy()
-    if train_on == "assistant":
-        labels[~mask[1:]] = IGNORE_INDEX
+    labels[~mask[1:]] = IGNORE_INDEX
     return ids[:-1], labels
+
+
+@dataclass(frozen=True)
+class _PassEnd:
+    """Marks the end of a pass over the conversations: whether it began at the first one, and how many it read."""
+
+    whole: bool
+    conversations: int
 
 
 class PackedChatDataset(IterableDataset):
@@ -102,33 +113,50 @@ class PackedChatDataset(IterableDataset):
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.start = StreamPosition()
 
-    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray] | bool]:
-        """Each conversation as (epoch, index, inputs, labels); after each pass over the data, whether that
-        pass was whole (began at the first conversation)."""
+    def _where(self, index: int) -> str:
+        # Files name the file and the row in it (sources.LocalFiles.locate); other sources their own row.
+        locate = getattr(self.conversations, "locate", None)
+        return locate(index) if locate is not None else f"dataset {self.label}: row {index}"
+
+    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray] | _PassEnd]:
+        """Each conversation as (epoch, index, inputs, labels), and a _PassEnd after each pass over the data."""
         epoch, first = start.epoch, start.document
         while True:
-            produced = False
+            count = 0
             for index, messages in itertools.islice(enumerate(self.conversations), first, None):
-                where = f"dataset {self.label}: row {index}"
-                check_messages(messages, where)
+                check_messages(messages, self._where(index))
                 try:
                     inputs, labels = encode_conversation(self.tokenizer, self.template, messages, self.train_on)
                 except ChatTemplateError as e:
-                    raise DataError(f"{where}: the chat template cannot render it: {e}") from None
-                produced = True
+                    raise DataError(f"{self._where(index)}: {e}") from None
+                count += 1
                 yield epoch, index, inputs, labels
-            yield first == 0
+            yield _PassEnd(whole=first == 0, conversations=count)
             if not self.infinite:
                 return
-            if first == 0 and not produced:
-                raise DataError(f"dataset {self.label} has no conversations; cannot cycle through it")
             epoch, first = epoch + 1, 0
+
+    def _check_pass(self, end: _PassEnd, placed: int, trained: int) -> None:
+        """Refuse data that a whole pass shows can never train: it would cycle forever, or at loss 0."""
+        if not end.whole:
+            return
+        if not end.conversations:
+            raise DataError(f"dataset {self.label} has no conversations")
+        if not placed:
+            raise DataError(f"dataset {self.label}: no conversation fits a row of seq_len {self.seq_len} tokens with "
+                            f"training.chat.overlong = {self.overlong!r}; raise seq_len or use overlong = 'truncate'")
+        if self.train_on == "assistant" and not trained:
+            raise DataError(
+                f"dataset {self.label}: none of its {end.conversations} conversations has an assistant token to train "
+                f"on (an 'assistant' message the chat template renders, within seq_len {self.seq_len}), so every "
+                "step's loss would be 0; add assistant replies or set training.chat.train_on = 'all'")
 
     def _rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, StreamPosition, dict]]:
         """(tokens, labels, document ids) of each round's rows, the position after it and its counts."""
         source = self._encoded(self.start)
         pending, after = None, self.start
-        placed_in_pass = 0  # a whole pass that places nothing would cycle forever
+        placed_in_pass = trained_in_pass = 0  # conversations placed and tokens trained since the pass began
+        warned = self.train_on == "all"
         rows_per_round = self.local_batch_size * self.dp_world_size
         while True:
             counts = {"conversations_truncated": 0, "conversations_dropped": 0}
@@ -142,13 +170,9 @@ class PackedChatDataset(IterableDataset):
                         pending = next(source, None)
                         if pending is None:
                             break
-                        if isinstance(pending, bool):  # the end of a pass
-                            if pending and not placed_in_pass:
-                                raise DataError(
-                                    f"dataset {self.label}: no conversation fits a row of seq_len {self.seq_len} "
-                                    f"tokens with training.chat.overlong = {self.overlong!r}; raise seq_len or use "
-                                    "overlong = 'truncate'")
-                            pending, placed_in_pass = None, 0
+                        if isinstance(pending, _PassEnd):
+                            self._check_pass(pending, placed_in_pass, trained_in_pass)
+                            pending, placed_in_pass, trained_in_pass = None, 0, 0
                             continue
                     epoch, index, inputs, targets = pending
                     if len(inputs) == 0 or (len(inputs) > self.seq_len and self.overlong == "drop"):
@@ -165,9 +189,16 @@ class PackedChatDataset(IterableDataset):
                     used, document = used + length, document + 1
                     pending, after = None, StreamPosition(epoch, index + 1)
                     placed_in_pass += 1
+                    trained_in_pass += int(np.count_nonzero(targets[:length] != IGNORE_INDEX))
                 if used == 0:
                     return  # the data ended (only without infinite): the partial round is dropped
                 ids[row, used:] = document  # the padding is a document of its own
+            if not warned and not (labels != IGNORE_INDEX).any():
+                # The pass's end refuses data with nothing to train; a large source should not train silently
+                # at loss 0 until then.
+                logger.warning(f"dataset {self.label}: the first batch has no assistant token to train on "
+                               "(training.chat.train_on = 'assistant'); its loss is 0")
+            warned = True
             position = StreamPosition(pending[0], pending[1]) if pending is not None else after
             yield tokens, labels, ids, position, counts
 

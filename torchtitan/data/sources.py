@@ -12,10 +12,12 @@ Bad data raises `DataError` with one line naming the file (or hub dataset) and t
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import logging
 import pathlib
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -105,13 +107,28 @@ def _stream_texts(
             located = None
         if located is not None and located[1] is not None:
             raise DataError(f"{where}: row {located[0]}: {located[1]}") from None
+        if located is None and row == 0 and isinstance(e, StopIteration):  # `datasets` on a JSON file of no bytes
+            raise DataError(f"{where}: the file is empty (no rows)") from None
         bad_row = row if located is None else located[0]
-        raise DataError(f"{where}: row {bad_row}: cannot read: {one_line(e)}") from None
+        # The reader's own "in row N" counts within the block it was parsing, not the file: only ours is said.
+        reason = re.sub(r",? in row \d+", "", one_line(e))
+        raise DataError(f"{where}: row {bad_row}: cannot read: {reason}") from None
+
+
+def _text_object(line: bytes) -> dict | None:
+    """A JSON-lines row as the JSON object of UTF-8 text that readers require, or None if it is not one."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+        # Python's json accepts an escaped lone surrogate (e.g. "\\ud800"), which is not text; readers refuse it.
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError):  # bad UTF-8 or JSON (ValueError), or a lone surrogate
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def _first_bad_json_line(path: str, column: str, format: str) -> BadRow | None:
-    """The first row of a JSON-lines file that is not a JSON object, or whose ``column`` holds a value of the
-    wrong type (readers report blocks, not lines); rows count non-blank lines from 0."""
+    """The first row of a JSON-lines file that is not a JSON object of text, or whose ``column`` holds a value of
+    the wrong type (readers report blocks, not lines); rows count non-blank lines from 0."""
     if is_url(path):
         import fsspec
 
@@ -124,11 +141,8 @@ def _first_bad_json_line(path: str, column: str, format: str) -> BadRow | None:
             for line in f:
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except ValueError:  # bad JSON or bad UTF-8
-                    return index, None
-                if not isinstance(row, dict):
+                row = _text_object(line)
+                if row is None:
                     return index, None
                 if row.get(column) is not None and (problem := _type_problem(row[column], column, format)):
                     return index, problem
@@ -202,11 +216,22 @@ class LocalFiles:
         self.files = data_files(path)
         self.text_column = text_column
         self.format = format
+        # The index of each file's first row, for the files read so far (the same on every pass).
+        self._first_rows: list[int] = []
+
+    def locate(self, index: int) -> str:
+        """Where the document at ``index`` (counted over all files, as iteration yields them) comes from: its
+        file and its row there, for messages about it. Only for documents already yielded."""
+        file = bisect.bisect_right(self._first_rows, index) - 1
+        return f"{self.files[file]}: row {index - self._first_rows[file]}"
 
     def __iter__(self) -> Iterator[str]:
         import datasets
 
-        for path in self.files:
+        count = 0
+        for number, path in enumerate(self.files):
+            if number == len(self._first_rows):
+                self._first_rows.append(count)
             suffix = _data_suffix(pathlib.PurePosixPath(str(path)))
 
             def open_file(path=path, builder=FILE_BUILDERS[suffix]):
@@ -215,7 +240,9 @@ class LocalFiles:
             def locate(path=path, suffix=suffix):
                 return _first_bad_json_line(str(path), self.text_column, self.format) if suffix == ".jsonl" else None
 
-            yield from _stream_texts(open_file, str(path), self.text_column, locate, self.format)
+            for document in _stream_texts(open_file, str(path), self.text_column, locate, self.format):
+                count += 1
+                yield document
 
 
 @dataclass(frozen=True)
