@@ -11,6 +11,10 @@ shard folder described in torchtitan/data/shards.py: token ids (uint16 when the 
 a document index per shard and manifest.json (tokenizer hash, vocab size, dtype, token and document counts,
 source). Documents keep their order and shards are cut at fixed token counts, so the same input and tokenizer
 give byte-identical output; the folder is replaced only once complete.
+
+--output must be new, an empty folder, or a shard folder this script wrote (then it is replaced); it may not be,
+hold or lie inside --dataset_path. Anything else is refused before reading the data, so nothing the script did not
+write is ever overwritten or removed.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from torchtitan.data import DataError, build_tokenizer, load_documents  # noqa: E402
-from torchtitan.data.shards import write_shards  # noqa: E402
+from torchtitan.data.shards import is_shard_folder, output_problem, write_shards  # noqa: E402
 from torchtitan.data.sources import HubDocuments  # noqa: E402
+from torchtitan.remote import is_url  # noqa: E402
 
 _DOCUMENTS_PER_TASK = 256
 _worker_tokenizer = None
@@ -54,6 +59,21 @@ def _chunks(documents, source: str):
         yield chunk
 
 
+def _input_problem(output: pathlib.Path, dataset_path: str | None) -> str | None:
+    """Why --output may not be written with this input: replacing it would remove or read back the input."""
+    if dataset_path is None or is_url(dataset_path):
+        return None
+    out, data = output.resolve(), pathlib.Path(dataset_path).resolve()
+    if out == data:
+        return "is the input (--dataset_path); give another folder for the shards"
+    if out in data.parents:
+        return f"holds the input (--dataset_path {dataset_path}); give a folder outside it for the shards"
+    if data in out.parents:
+        return (f"lies inside the input (--dataset_path {dataset_path}), where its files would be read as data; "
+                "give a folder outside it")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -71,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.shard_tokens < 1:
         print("error: --workers and --shard_tokens must be >= 1", file=sys.stderr)
+        return 2
+    output = pathlib.Path(args.output)
+    if problem := _input_problem(output, args.dataset_path) or output_problem(output):
+        print(f"error: --output {args.output} {problem}", file=sys.stderr)
+        return 2
+    if args.dataset_path and is_shard_folder(args.dataset_path):
+        print(f"error: --dataset_path {args.dataset_path} is already a folder of token shards (it holds "
+              "manifest.json); train on it with dataset_format = 'tokens' (or kind = 'tokens' in [[data.sources]])",
+              file=sys.stderr)
         return 2
     try:
         tokenizer = build_tokenizer(args.tokenizer)
@@ -99,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
             manifest = write_shards(ordered(), tokenizer, args.output, source, args.shard_tokens)
         progress.close()
-    except (DataError, FileNotFoundError, ValueError) as e:
+    except (DataError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.output}: {manifest['num_documents']:,} documents, {manifest['num_tokens']:,} tokens "

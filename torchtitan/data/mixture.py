@@ -167,6 +167,11 @@ def config_problems(data, training) -> list[tuple[str, str]]:
                                                                     is_shard_folder(source.path))):
             return [(where, f"path {source.path!r} is not a shard folder (manifest.json from "
                             "scripts/tokenize_dataset.py), which kind 'tokens' reads")]
+        if source.kind == "text" and source.path is not None and not is_url(source.path) and \
+                is_shard_folder(source.path):
+            # Read as text, its manifest.json would be taken for a JSON data file without a text column.
+            return [(where, f"has kind = 'text', which reads path {source.path!r} as text files, but it is a shard "
+                            'folder (manifest.json from scripts/tokenize_dataset.py): kind = "tokens" would read it')]
         from torchtitan.data.sources import source_problems
 
         format = "tokens" if source.kind == "tokens" else "text"

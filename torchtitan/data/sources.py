@@ -319,6 +319,9 @@ def source_problems(dataset: str, dataset_path: str | None, split: str,
         if is_url(dataset_path):  # reached when the data is opened, before training
             problem = url_problem(dataset_path)
             return [] if problem is None else [("dataset_path", problem)]
+        if (pathlib.Path(dataset_path) / "manifest.json").is_file():  # else read as JSON rows without the column
+            return [("dataset_path", f"is a folder of token shards (manifest.json from scripts/tokenize_dataset.py), "
+                                     f"not {format} files; dataset_format = 'tokens' would read it")]
         return [] if pathlib.Path(dataset_path).exists() else [("dataset_path", "does not exist")]
     if dataset not in DATASETS:
         return [("dataset", f"is not a registered dataset; valid: {', '.join(registered_datasets())}")]
