@@ -17,10 +17,11 @@ from torchtitan.components.checkpoint import CheckpointError, CheckpointManager,
 from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.components.expert_load import ExpertLoadBalancer
 from torchtitan.components.host_memory import keep_freed_host_memory
+from torchtitan.components.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.loss import count_valid_tokens, summed_loss_share
 from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
-from torchtitan.components.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
+from torchtitan.components.objective import build_objective
 from torchtitan.components.optimizer import clipped_step
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
@@ -34,13 +35,13 @@ from torchtitan.data import Batch, DataError
 from torchtitan.distributed import device as device_lib
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
-from torchtitan.distributed.data_parallel import set_gradient_sync
 from torchtitan.distributed.grad_norm import global_grad_norm
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import DTYPES, compute_autocast, compute_dtype, set_compute_dtype
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.log import init_logger, logger
 from torchtitan.models.chunked_cross_entropy import use_chunked_loss
+from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -69,8 +70,6 @@ class Trainer:
         spec = get_train_spec(cfg.model.name)
         self.tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
         self.model_args = build_model_args(spec, cfg.model, self.tokenizer.vocab_size, training.seq_len)
-        # Multi-token prediction blocks (their loss is added with training.mtp_loss_weight, logged as mtp/loss).
-        self.mtp_depth = getattr(self.model_args, "mtp_depth", 0)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
         self.converters = ModelConverters(cfg.model.converters, cfg, self.parallel_dims)
@@ -93,6 +92,14 @@ class Trainer:
             self.loss_fn = summed_loss_share
         else:
             self.loss_fn = spec.build_loss_fn(compile_loss=compile_loss, backend=cfg.compile.backend)
+        # What a step trains: derives targets from each batch and scores the output (training.objective).
+        self.objective = build_objective(training, self.loss_fn, self.model_args, self.masking.block_causal)
+        # Tensor-parallel logits stay sharded over the vocabulary into the loss (the chunked loss shards it itself).
+        self.loss_parallel = (self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+                              and training.loss_chunk_size == 0)
+        # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
+        # requested precision through autocast.
+        self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
         def prepare(part: torch.nn.Module) -> torch.nn.Module:
             part = spec.parallelize_fn(part, self.parallel_dims, cfg)
@@ -104,21 +111,21 @@ class Trainer:
         self.pipeline = None
         if self.parallel_dims.pp_enabled:
             # Each rank keeps only its stages; the schedule computes the loss on the last one.
-            self.pipeline = spec.pipelining_fn(
+            self.runner = PipelineForwardBackward(self.objective, self.loss_fn, self.autocast, self.loss_parallel,
+                                                  self.device)
+            self.pipeline = self.runner.pipeline = spec.pipelining_fn(
                 model, cfg.parallelism, self.parallel_dims.submesh("pp"), self.device,
                 n_microbatches=training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size,
-                prepare_part=prepare, loss_fn=self._pipeline_loss,
+                prepare_part=prepare, loss_fn=self.runner.stage_loss,
             )
             self.model_parts = self.pipeline.model_parts
         else:
             self.model_parts = [prepare(model)]
+            self.runner = LocalForwardBackward(self.model_parts[0], self.objective, self.autocast, self.loss_parallel)
 
         # Optimisation.
         self.optimizer = spec.build_optimizer_fn(self.model_parts, cfg.optimizer)
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, training.steps)
-        # Without FSDP (whose mixed-precision policy casts the parameters) compute in the
-        # requested precision through autocast.
-        self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
         # Data: each data-parallel rank reads its share of one global stream.
         dp_rank, dp_degree = self.parallel_dims.dp_coordinates()
@@ -144,7 +151,7 @@ class Trainer:
             global_batch_size=global_batch,
         )
         self.expert_loads = None
-        if getattr(self.model_args, "moe", None) is not None:
+        if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
             # Tokens one forward routes on this rank: a pipeline micro-batch under PP, else the local batch.
             sequences = cfg.parallelism.pipeline_parallel_microbatch_size if self.pipeline else training.local_batch_size
             self.expert_loads = ExpertLoadBalancer(
@@ -155,8 +162,6 @@ class Trainer:
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
         # Tokens one device accounts for per step: TP and CP ranks share their replica's tokens.
         self.tokens_per_device = global_batch * training.seq_len / self.parallel_dims.world_size
-        self.loss_parallel = (self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-                              and training.loss_chunk_size == 0)  # the chunked loss handles the vocab shards
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(
@@ -172,7 +177,7 @@ class Trainer:
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
-        self.step_metrics: dict[str, torch.Tensor] = {}  # the last step's extra losses (multi-token prediction)
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the last step's objective metrics beyond the loss
         self.data_iterator = None  # created on first use, after any dataloader state is restored
 
         # Checkpoints: resume from the latest one of this run, if any.
@@ -217,47 +222,20 @@ class Trainer:
     def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the micro-batches; returns (global loss, global grad norm)."""
         self.optimizer.zero_grad()
-        prepared = [self._to_device_and_shard(batch, self.mtp_depth) for batch in microbatches]
-        # The loss is normalised by the trained (non-ignored) tokens of the whole step on all ranks, known
-        # up front; at least 1, so a step whose labels are all ignored contributes zero, not NaN.
-        local_tokens = sum(count_valid_tokens(batch.labels) for batch, _ in prepared)
-        global_tokens = sum_over(torch.as_tensor(local_tokens, device=self.device), self.loss_mesh).clamp(min=1)
-        if self.mtp_depth:
-            local_targets = sum(count_mtp_targets(mtp["mtp_labels"]) for _, mtp in prepared)
-            global_targets = sum_over(local_targets, self.loss_mesh).clamp(min=1)
-        step_loss = torch.zeros((), device=self.device)
-        step_mtp_loss = torch.zeros((), device=self.device)
-        for index, (batch, mtp) in enumerate(prepared):
-            if self.pipeline is not None:
-                # The pipeline stage syncs its gradients itself at the end of every schedule step.
-                main, extra = self._pipeline_forward_backward(batch, global_tokens, mtp,
-                                                              global_targets if mtp else None)
-                step_loss += main
-                step_mtp_loss += extra
-                continue
-            set_gradient_sync(self.model_parts, last_microbatch=index == len(prepared) - 1)
-            with self.autocast():
-                logits = self.model_parts[0](batch.input_ids, **self.masking.model_inputs(batch), **mtp)
-            with loss_parallel_context(self.loss_parallel):
-                if mtp:
-                    logits, *predictions = logits
-                    mtp_share = mtp_loss(self.loss_fn, predictions, mtp["mtp_labels"], global_targets)
-                    del predictions
-                    step_mtp_loss += to_local_scalar(mtp_share.detach())
-                loss = self.loss_fn(logits, batch.labels, global_tokens)
-                del logits  # the largest activation; free it before backward allocates gradients
-                (loss + self.cfg.training.mtp_loss_weight * mtp_share if mtp else loss).backward()
-            step_loss += to_local_scalar(loss.detach())
+        prepared = [self._prepare(batch) for batch in microbatches]
+        # Each loss term is normalised by its valid targets in the whole step on all ranks, known up front;
+        # at least 1, so a step whose targets are all ignored contributes zero, not NaN.
+        local_counts = sum(self.objective.count(targets) for _, _, targets in prepared)
+        global_counts = sum_over(local_counts, self.loss_mesh).clamp(min=1)
+        parts = sum(self.runner.forward_backward(tokens, inputs, targets, global_counts,
+                                                 last_microbatch=index == len(prepared) - 1)
+                    for index, (tokens, inputs, targets) in enumerate(prepared))
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
-        shared = self.pipeline.shared_embedding if self.pipeline is not None else None
-        if shared is not None:
-            shared.sum_gradients()  # the embedding's copies on the first and last stages
-        grad_norm = global_grad_norm(params, pp_mesh,
-                                     counted_elsewhere=shared.counted_elsewhere if shared is not None else ())
+        grad_norm = global_grad_norm(params, pp_mesh, counted_elsewhere=self.runner.finish_gradients())
         # Only the ranks holding the last stage have a loss; the others add zero.
-        loss, mtp_loss_value = sum_over(sum_over(torch.stack([step_loss, step_mtp_loss]), pp_mesh), self.loss_mesh)
-        self.step_metrics = {"mtp/loss": mtp_loss_value} if self.mtp_depth else {}
+        loss, *extra = sum_over(sum_over(parts, pp_mesh), self.loss_mesh)
+        self.step_metrics = dict(zip(self.objective.metric_names, extra))
         if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
@@ -280,23 +258,32 @@ class Trainer:
             raise TrainingError(f"step {step}: {stop}")
         return True
 
-    def _to_device_and_shard(self, batch: Batch, mtp_depth: int = 0) -> tuple[Batch, dict[str, torch.Tensor]]:
-        """The batch on the device, and with ``mtp_depth`` the multi-token prediction inputs (made from the whole
-        rows); under context parallelism, each rank's head and tail chunks of every sequence (document ids,
-        positions and the MTP inputs sharded exactly like the tokens)."""
-        batch = Batch(*(t.to(self.device, non_blocking=True) for t in batch))
-        mtp = mtp_targets(batch, mtp_depth, self.masking.block_causal) if mtp_depth else {}
+    def _prepare(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """(tokens, the forward's keyword inputs, the objective's targets) of one micro-batch, on the device and
+        sharded for context parallelism; the objective derives its inputs and targets from the whole rows."""
+        batch = self._on_device(batch)
+        extra, targets = self.objective.prepare(batch)
+        inputs = {**self.masking.model_inputs(batch), **extra}
+        tokens, targets, *values = self._cp_shard([batch.input_ids, targets, *inputs.values()])
+        return tokens, dict(zip(inputs, values)), targets
+
+    def _on_device(self, batch: Batch) -> Batch:
+        return Batch(*(t.to(self.device, non_blocking=True) for t in batch))
+
+    def _to_device_and_shard(self, batch: Batch) -> Batch:
+        return Batch(*self._cp_shard(list(self._on_device(batch))))
+
+    def _cp_shard(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Under context parallelism, this rank's head and tail chunks of every sequence (the last dimension)."""
         if not self.parallel_dims.cp_enabled:
-            return batch, mtp
+            return tensors
         cp_mesh = self.parallel_dims.submesh("cp")
-        rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-        return (Batch(*(shard_sequence(t, 1, rank, size) for t in batch)),
-                {name: shard_sequence(t, 2, rank, size) for name, t in mtp.items()})
+        return [shard_sequence(t, t.dim() - 1, cp_mesh.get_local_rank(), cp_mesh.size()) for t in tensors]
 
     def _validation_batch_loss(self, model_parts: list[torch.nn.Module],
                                batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy and valid tokens of one validation batch on this rank (all stages summed)."""
-        batch, _ = self._to_device_and_shard(batch)
+        batch = self._to_device_and_shard(batch)
         inputs = self.masking.model_inputs(batch)
         with self.autocast(), loss_parallel_context(self.loss_parallel):
             if self.pipeline is None:
@@ -309,47 +296,6 @@ class Trainer:
                 loss = sum((to_local_scalar(x) for x in losses), torch.zeros((), device=self.device))
                 loss = sum_over(loss, self.parallel_dims.submesh("pp"))
         return loss, count_valid_tokens(batch.labels)
-
-    def _pipeline_forward_backward(self, batch: Batch, global_tokens: torch.Tensor, mtp: dict[str, torch.Tensor],
-                                   global_targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the schedule over one micro-batch (split again into pipeline micro-batches); its (next-token, MTP)
-        loss sums. Document ids, positions and the MTP inputs go to every stage as keyword arguments, split like
-        the tokens; with MTP the target stacks the labels and each depth's, (batch, 1 + depth, seq)."""
-        pipe = self.pipeline
-        losses = [] if pipe.has_last_stage else None
-        inputs = (batch.input_ids,) if pipe.has_first_stage else ()
-        target = None
-        if pipe.has_last_stage:
-            target = torch.cat([batch.labels[:, None], mtp["mtp_labels"]], dim=1) if mtp else batch.labels
-        loss_kwargs = {"global_valid_tokens": global_tokens}
-        if mtp:
-            loss_kwargs["mtp_targets"] = global_targets
-        self._pipeline_losses = []
-        with self.autocast(), loss_parallel_context(self.loss_parallel):
-            pipe.schedule.step(*inputs, target=target, losses=losses, loss_kwargs=loss_kwargs, return_outputs=False,
-                               **self.masking.model_inputs(batch), **mtp)
-        zero = torch.zeros((), device=self.device)
-        if not losses:
-            return zero, zero
-        if mtp:
-            # The schedule may also call the loss once while it sets its stages up (first step): only the last
-            # len(losses) calls are the micro-batches'.
-            main, extra = torch.stack(self._pipeline_losses[-len(losses):]).sum(0)
-            return main, extra
-        return torch.stack([to_local_scalar(loss.detach()) for loss in losses]).sum(), zero
-
-    def _pipeline_loss(self, output, target: torch.Tensor, global_valid_tokens=1.0,
-                       mtp_targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The loss the schedule computes on the last stage. Validation runs it without loss_kwargs: divided by 1,
-        the summed cross-entropy. With multi-token prediction (``mtp_targets``: each depth's valid targets in the
-        step) the output holds each depth's too; the parts are kept for the step's metrics."""
-        if mtp_targets is None:
-            return self.loss_fn(output, target, global_valid_tokens)
-        logits, *predictions = output
-        main = self.loss_fn(logits, target[:, 0], global_valid_tokens)
-        extra = mtp_loss(self.loss_fn, predictions, target[:, 1:], mtp_targets)
-        self._pipeline_losses.append(torch.stack([to_local_scalar(main.detach()), to_local_scalar(extra.detach())]))
-        return main + self.cfg.training.mtp_loss_weight * extra
 
     @property
     def step(self) -> int:

@@ -9,7 +9,7 @@ from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CON
 
 # The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
 DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",
-                        "test_document_masking_training", "test_chunked_loss_training")
+                        "test_document_masking_training", "test_chunked_loss_training", "test_objective_training")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def _batch(tokens: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tenso
 
 def _logits(trainer: Trainer, batch: Batch) -> torch.Tensor | None:
     """Full (batch, seq, vocab) logits on the ranks that compute the output, else None."""
-    local, _ = trainer._to_device_and_shard(batch)
+    local = trainer._to_device_and_shard(batch)
     inputs = trainer.masking.model_inputs(local)
     with torch.no_grad(), trainer.autocast():
         if trainer.pipeline is None:

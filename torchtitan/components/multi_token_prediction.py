@@ -11,20 +11,21 @@ The trained loss is main + weight x (mean over depths of each depth's mean cross
 that depth's valid targets in the whole step, as the main loss is (components/loss.py).
 """
 
-from typing import Any
 
 import torch
 
 from torchtitan.components.loss import IGNORE_INDEX, LossFn, count_valid_tokens
 from torchtitan.config.job_config import Checkpoint, Model, Training
 from torchtitan.data.dataset import Batch
+from torchtitan.protocols.model import BaseModelArgs
 
 DEFAULT_LOSS_WEIGHT = Training.mtp_loss_weight
 
 
-def config_problems(model: Model, training: Training, checkpoint: Checkpoint, args: Any) -> list[tuple[str, str]]:
+def config_problems(model: Model, training: Training, checkpoint: Checkpoint,
+                    args: BaseModelArgs) -> list[tuple[str, str]]:
     """(full key, reason) for multi-token prediction as configured; ``args`` are the run's model args."""
-    depth = getattr(args, "mtp_depth", 0)
+    depth = args.mtp_depth
     # The key to name: model.mtp_depth when set, else the flavor whose depth it is.
     key, what = ("model.mtp_depth", "") if model.mtp_depth is not None else ("model.flavor", f"(mtp_depth {depth}) ")
     if depth == 0 and checkpoint.hf_include_mtp:

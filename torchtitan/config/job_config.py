@@ -181,6 +181,10 @@ class Training:
         0.3, "Weight of the multi-token prediction loss (mean over its depths) added to the main-token loss, constant "
         "over the run (DeepSeek-V3 used 0.3, then 0.1 late in training: set it per stage of training)"
     )
+    objective: str = option(
+        "next_token", "Registered training objective: next_token (plus the multi-token prediction loss where the "
+        "model has its blocks); a module of experimental.custom_import can register more (components/objective.py)"
+    )
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")
     dtype: Literal["float32", "bfloat16"] = option("float32", "Dtype the parameters are stored in")

@@ -92,6 +92,9 @@ def _check_training(c: _Checker) -> None:
               or "output" in c.cfg.quantize.linear.float8.filter_fqns,
               "makes the output projection the chunked loss head, which float8 does not convert; keep 'output' in "
               "quantize.linear.float8.filter_fqns")
+    from torchtitan.components.objective import config_problems as objective_problems
+
+    c.report("training", objective_problems(t))
     from torchtitan.components.metric_backends import config_problems as backend_problems
 
     c.report("", backend_problems(c.cfg.metrics))

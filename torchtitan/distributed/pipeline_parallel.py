@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.config.job_config import Model, Parallelism, Training, Validation
+from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.models.moe import MoE
 
 # The schedules users pick by name (all in torch 2.13), and which of them run several stages per rank.
@@ -315,7 +316,7 @@ def merged_view(model_parts: list[nn.Module]) -> nn.Module:
 
 
 def config_problems(p: Parallelism, t: Training, v: Validation, model: Model, can_pipeline: bool,
-                    args) -> list[tuple[str, str]]:
+                    args: DecoderArgs) -> list[tuple[str, str]]:
     """The first problem (full config key, reason) with pipelining ``args`` (the model's DecoderArgs) as
     configured, or []; ``can_pipeline``: the model family has a pipelining_fn."""
     pp, key = p.pipeline_parallel_degree, "parallelism.pipeline_parallel_degree"
@@ -382,10 +383,9 @@ def config_problems(p: Parallelism, t: Training, v: Validation, model: Model, ca
         stage_module_names(p, args.n_layers, num_stages)
     except ValueError as e:
         return [(key, f"cannot be laid out: {e}")]
-    if getattr(args, "tie_embeddings", False) or getattr(args, "mtp_depth", 0):
+    if args.tie_embeddings or args.mtp_depth:
         # The last stage keeps a copy of the embedding (SharedEmbedding), summed with the first stage's over ranks.
-        mtp = getattr(args, "mtp_depth", 0)
-        why, off = (("multi-token prediction blocks", "model.mtp_depth = 0") if mtp else
+        why, off = (("multi-token prediction blocks", "model.mtp_depth = 0") if args.mtp_depth else
                     ("an output head tied to it", "an untied flavor"))
         placement = stage_placement(p, args.n_layers)
         if any(0 in held and num_stages - 1 in held for held in placement.values()):

@@ -23,8 +23,6 @@ class DecoderArgs(BaseModelArgs):
     n_heads: int = 32
     n_kv_heads: int | None = None
     """Key/value heads of grouped-query attention; None: n_heads."""
-    vocab_size: int | None = None
-    """None: the tokenizer's, set by finalize()."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_convention: RopeConvention = "pairs"
@@ -77,6 +75,9 @@ class DecoderArgs(BaseModelArgs):
             problems.append(("head_dim", f"{self.head_dim} must be even for RoPE (it rotates channel pairs)"))
         if self.n_heads % self.kv_heads:
             problems.append(("n_kv_heads", f"{self.kv_heads} does not divide n_heads={self.n_heads}"))
+        if self.mtp_depth < 0 or (self.mtp_depth and not self.builds_mtp_blocks):
+            problems.append(("mtp_depth", f"{self.mtp_depth} is invalid; it must be >= 0 (0: no multi-token "
+                                          "prediction), and 0 where the family builds no prediction blocks"))
         if self.moe is not None:
             problems += [(f"moe.{name}", reason) for name, reason in self.moe.check()]
             if not 0 <= self.n_dense_layers <= self.n_layers:

@@ -1,7 +1,7 @@
 """What the trainer needs from a model family, beyond being an nn.Module."""
 
 import dataclasses
-from typing import Protocol, Self
+from typing import ClassVar, Protocol, Self
 
 import torch
 from torch import nn
@@ -11,8 +11,18 @@ from torch import nn
 class BaseModelArgs:
     """Hyper-parameters of one model flavor.
 
-    A family subclasses this with its own fields; the trainer only relies on the methods below.
+    A family subclasses this with its own fields; the trainer relies only on the fields and methods below
+    (models/decoder_args.py adds the shared decoder's, which parallelism and the planner read).
     """
+
+    vocab_size: int | None = None
+    """Rows of the embedding table; None: the tokenizer's, set by finalize()."""
+    mtp_depth: int = 0
+    """Multi-token prediction blocks after the main ones (block k predicts the token k + 1 places ahead);
+    only where the family's model builds them (``builds_mtp_blocks``)."""
+
+    builds_mtp_blocks: ClassVar[bool] = False
+    """Whether the family's model builds ``mtp_depth`` multi-token prediction blocks (model.mtp_depth)."""
 
     def finalize(self, tokenizer_vocab_size: int, seq_len: int) -> Self:
         """The args to build with, once the tokenizer and sequence length are known."""

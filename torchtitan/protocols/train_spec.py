@@ -77,10 +77,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 def build_model_args(spec: TrainSpec, m: Model, tokenizer_vocab_size: int, seq_len: int, mtp: bool = True) -> Any:
     """The flavor's args for this run: finalized for the tokenizer and sequence length, with ``model.mtp_depth``
-    applied where the family has multi-token prediction (an ``mtp_depth`` field); ``mtp=False`` builds without
-    those blocks (inference, which never runs them)."""
+    applied where the family builds multi-token prediction blocks; ``mtp=False`` builds without them
+    (inference, which never runs them)."""
     args = spec.flavors[m.flavor].finalize(tokenizer_vocab_size, seq_len)
-    if hasattr(args, "mtp_depth"):
+    if args.builds_mtp_blocks:
         depth = args.mtp_depth if m.mtp_depth is None else m.mtp_depth
         args = dataclasses.replace(args, mtp_depth=depth if mtp else 0)
     return args
@@ -98,7 +98,7 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
     flavor = spec.flavors[m.flavor]
     if m.mtp_depth is not None and m.mtp_depth < 0:
         return [("model.mtp_depth", "is invalid; it must be >= 0 (0: off) or unset (the flavor's)")], spec, None
-    if m.mtp_depth and not hasattr(flavor, "mtp_depth"):
+    if m.mtp_depth and not flavor.builds_mtp_blocks:
         return [("model.mtp_depth", f"needs a model with multi-token prediction blocks, which model.name = "
                                     f"{m.name!r} has not; valid: 0 or unset")], spec, None
     if bad := flavor.check():
@@ -118,7 +118,7 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
         return [("model.hf_assets_path",
                  f"holds a tokenizer that cannot be loaded: {type(e).__name__}: {e}")], spec, None
     args = build_model_args(spec, m, tokenizer_vocab, seq_len)
-    model_vocab = getattr(args, "vocab_size", tokenizer_vocab)
+    model_vocab = args.vocab_size or tokenizer_vocab
     if model_vocab < tokenizer_vocab:
         return [("model.flavor", f"has vocab_size {model_vocab}, smaller than the tokenizer's {tokenizer_vocab} in "
                                  f"{m.hf_assets_path}")], spec, args

@@ -47,6 +47,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 @dataclass
 class DeepseekV3ModelArgs(DecoderArgs):
+    builds_mtp_blocks = True
     inter_dim: int = 18432
     """Width of the dense blocks' SwiGLU (HF: intermediate_size)."""
     q_lora_rank: int = 0
@@ -66,8 +67,6 @@ class DeepseekV3ModelArgs(DecoderArgs):
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     rope_convention: RopeConvention = "pairs"
-    mtp_depth: int = 0
-    """Multi-token prediction blocks after the main ones (block k predicts the token k + 1 places ahead)."""
     moe: MoEArgs | None = field(default_factory=lambda: MoEArgs(score_func="sigmoid", route_norm=True))
 
     @property
@@ -126,8 +125,6 @@ class DeepseekV3ModelArgs(DecoderArgs):
         if self.v_head_dim > self.head_dim:
             problems.append(("v_head_dim", f"{self.v_head_dim} must not exceed the query/key head size "
                                            f"{self.head_dim} (the attention kernels pad values up to it)"))
-        if self.mtp_depth < 0:
-            problems.append(("mtp_depth", f"{self.mtp_depth} must be >= 0 (0: no multi-token prediction)"))
         if self.rope_factor < 1:
             problems.append(("rope_factor", f"{self.rope_factor} must be >= 1 (1: no YaRN)"))
         return problems
