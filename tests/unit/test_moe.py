@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan.models.moe import GroupedExperts, MoE, MoEArgs, Router
+from torchtitan.models.moe import GroupedExperts, MoE, MoEArgs, MoETraining, Router
 
 DIM, HIDDEN = 32, 16
 
@@ -134,7 +134,7 @@ def _dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
                                        {"n_groups": 4, "topk_group": 2, "top_k": 3, "route_norm": False}])
 def test_dropless_output_and_gradients_equal_a_dense_computation(path, overrides):
     moe = _moe(seed=torch.randint(0, 2**31, ()).item(), **overrides)
-    moe.experts.path = path
+    moe.configure(MoETraining(expert_path=path))
     x = torch.randn(3, 11, DIM, requires_grad=True)
     out = moe(x)
     grad_out = torch.randn_like(out)
@@ -211,9 +211,9 @@ def _aux_reference(scores, indices, bsz, seqlen, k, num_experts, per_sequence):
 @pytest.mark.parametrize("kind", ["sequence", "batch"])
 def test_aux_loss_value_and_gradient_join_the_loss(kind):
     moe = _moe(seed=3)
-    moe.aux_loss_coeff, moe.aux_loss_type = 0.01, kind
     bsz, seqlen = 4, 9
-    moe.aux_loss_scale = 1.0 / bsz  # the whole global batch is this one micro-batch
+    # The whole global batch is this one micro-batch.
+    moe.configure(MoETraining(aux_loss_coeff=0.01, aux_loss_type=kind, aux_loss_scale=1.0 / bsz))
     x = torch.randn(bsz, seqlen, DIM)
     moe(x).sum().backward()
     gate_grad = moe.router.gate.weight.grad.clone()
@@ -222,14 +222,14 @@ def test_aux_loss_value_and_gradient_join_the_loss(kind):
     assert moe.aux_loss_sum.item() == pytest.approx(expected.item(), rel=1e-5)
     # The same model without the auxiliary loss, plus the reference loss's own gradient.
     moe.zero_grad()
-    moe.aux_loss_coeff = 0.0
+    moe.configure(MoETraining(aux_loss_coeff=0.0))
     (moe(x).sum() + expected).backward()
     torch.testing.assert_close(gate_grad, moe.router.gate.weight.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_sequence_aux_loss_sums_over_micro_batches_to_the_global_mean():
     moe = _moe(seed=4)
-    moe.aux_loss_coeff, moe.aux_loss_type, moe.aux_loss_scale = 0.1, "sequence", 1.0 / 6
+    moe.configure(MoETraining(aux_loss_coeff=0.1, aux_loss_type="sequence", aux_loss_scale=1.0 / 6))
     x = torch.randn(6, 8, DIM)
     moe(x).sum().backward()
     whole, grad = moe.aux_loss_sum.item(), moe.router.gate.weight.grad.clone()
@@ -254,7 +254,7 @@ def test_router_computes_in_float32_under_autocast_unless_told_otherwise():
 
 def test_a_dtype_cast_keeps_the_routing_bias_in_float32():
     moe = _moe(seed=6)
-    moe.expert_bias += 1e-3 * torch.arange(8)
+    moe.move_bias(1e-3 * torch.arange(8))
     expected = moe.expert_bias.clone()
     moe.to(torch.bfloat16)
     assert moe.router.gate.weight.dtype == torch.bfloat16

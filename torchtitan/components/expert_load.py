@@ -24,7 +24,9 @@ from torchtitan.distributed.collectives import sum_now
 from torchtitan.distributed.device import rank as device_rank
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
-from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm_supported
+from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.models.moe import GroupedExperts, MoE, MoETraining, grouped_mm_supported
 
 EXPERT_PATH_CACHE_FILE = "expert_path.json"
 EXPERT_PATH_CACHE_VERSION = 3
@@ -43,8 +45,10 @@ _PROBE_ROUNDS = 3
 # contention); a verdict closer than this, or than the spread its own rounds showed, is not cached.
 _PROBE_NOISE_FLOOR = 0.10
 
-def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, checkpoint: CheckpointConfig,
-                    hf_has_expert_bias: bool, changed_from_defaults: list[str] = ()) -> list[tuple[str, str]]:
+
+def config_problems(cfg: MoEConfig, model_args: BaseModelArgs | None, expert_parallel_degree: int,
+                    checkpoint: CheckpointConfig, hf_has_expert_bias: bool,
+                    changed_from_defaults: list[str] = ()) -> list[tuple[str, str]]:
     """Problems with the [moe] section and expert parallelism for ``model_args`` (None: unknown), as
     (full key, reason) pairs. ``hf_has_expert_bias``: the family's Hugging Face format has a routing bias;
     ``changed_from_defaults``: the MoE options changed from their defaults (keys, e.g. "moe.router_dtype")."""
@@ -59,7 +63,7 @@ def config_problems(cfg: MoEConfig, model_args, expert_parallel_degree: int, che
         problems.append(("moe.aux_loss_type", "would do nothing: moe.aux_loss_coeff is 0 (the auxiliary loss is off)"))
     if model_args is None or problems:
         return problems
-    moe = getattr(model_args, "moe", None)
+    moe = model_args.moe if isinstance(model_args, DecoderArgs) else None
     if moe is None:
         # On a dense model these would do nothing: refused rather than silently ignored.
         if expert_parallel_degree > 1:
@@ -246,13 +250,13 @@ class ExpertLoadBalancer:
     """Configures every MoE layer of the model parts from [moe], then, after every optimizer step, sums the
     expert loads over the data-parallel ranks, moves the routing biases, and makes the load metrics."""
 
-    def __init__(self, cfg: MoEConfig, model_parts: list[nn.Module], model_args, parallel_dims: ParallelDims,
-                 global_sequences: int, local_tokens: int, compute_dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: MoEConfig, model_parts: list[nn.Module], model_args: DecoderArgs,
+                 parallel_dims: ParallelDims, global_sequences: int, local_tokens: int, compute_dtype: torch.dtype, device: torch.device):
         """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums)."""
         self.cfg = cfg
         self.layers = moe_layers(model_parts)
         # Multi-token prediction blocks follow the main ones (layer ids n_layers, ...).
-        self.n_layers = model_args.n_layers + getattr(model_args, "mtp_depth", 0)
+        self.n_layers = model_args.n_layers + model_args.mtp_depth
         self.device = device
         self.data_mesh = parallel_dims.submesh("dp_cp")
         self.pp_mesh = parallel_dims.submesh("pp")
@@ -262,12 +266,11 @@ class ExpertLoadBalancer:
         path, why = choose_expert_path(cfg.expert_compute, moe_args.num_experts // parallel_dims.ep, model_args.dim,
                                        moe_args.hidden_dim // parallel_dims.tp, local_tokens * moe_args.top_k,
                                        compute_dtype, device)
+        options = MoETraining(router_dtype=torch.float32 if cfg.router_dtype == "float32" else None,
+                              aux_loss_coeff=cfg.aux_loss_coeff, aux_loss_type=cfg.aux_loss_type,
+                              aux_loss_scale=1.0 / global_sequences, expert_path=path)
         for _, moe in self.layers:
-            moe.router_dtype = torch.float32 if cfg.router_dtype == "float32" else None
-            moe.aux_loss_coeff = cfg.aux_loss_coeff
-            moe.aux_loss_type = cfg.aux_loss_type
-            moe.aux_loss_scale = 1.0 / global_sequences
-            moe.experts.path = path
+            moe.configure(options)
         balancing = f"bias update rate {cfg.bias_update_rate:g}" if cfg.bias_update_rate > 0 else "no routing bias"
         aux = f"aux loss {cfg.aux_loss_coeff:g} ({cfg.aux_loss_type})" if cfg.aux_loss_coeff > 0 else "no aux loss"
         logger.info(f"MoE: {len(self.layers)} MoE layers here; routed experts compute with the {path} path ({why}); "
@@ -276,8 +279,7 @@ class ExpertLoadBalancer:
     def discard_step(self) -> None:
         """Forget the loads a skipped step routed (training.guard): its biases and counts stay as they were."""
         for _, moe in self.layers:
-            moe.tokens_per_expert.zero_()
-            moe.aux_loss_sum = torch.zeros_like(self.aux_loss)
+            moe.discard_stats()
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -285,15 +287,13 @@ class ExpertLoadBalancer:
         counts = torch.zeros_like(self.counts)
         self.aux_loss = torch.zeros_like(self.aux_loss)
         for layer_id, moe in self.layers:
-            counts[layer_id] = moe.tokens_per_expert
-            moe.tokens_per_expert.zero_()
-            self.aux_loss += moe.aux_loss_sum.to(self.device)
-            moe.aux_loss_sum = torch.zeros_like(self.aux_loss)
+            counts[layer_id], aux_loss = moe.take_stats()
+            self.aux_loss += aux_loss.to(self.device)
         self.counts = sum_now(counts, self.data_mesh)
         if self.cfg.bias_update_rate > 0:
             for layer_id, moe in self.layers:
                 load = self.counts[layer_id].float()
-                moe.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+                moe.move_bias(self.cfg.bias_update_rate * torch.sign(load.mean() - load))
 
     @torch.no_grad()
     def metrics(self) -> dict[str, float]:

@@ -19,14 +19,17 @@ way and computes a slice of every expert's hidden width, so outputs are partial 
 reduce-scattered back to sequence shards by the block's TP plan (tensor_parallel.py).
 """
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.moe import GroupedExperts, MoE
+from torchtitan.models.moe import GroupedExperts, MoE, MoEParallelism
 
 
 class _AllToAll(torch.autograd.Function):
@@ -65,7 +68,7 @@ def _source_major_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertAllToAll:
-    """MoE.expert_exchange under expert parallelism over ``group``."""
+    """MoEParallelism.expert_exchange under expert parallelism over ``group``."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -113,10 +116,9 @@ def apply_moe_parallel(model: nn.Module, parallel_dims: ParallelDims) -> bool:
                 placements = [*([Shard(0)] if on_ep else []), *([Shard(hidden_dim)] if on_tp else [])]
                 param = getattr(moe.experts, name)
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(param.data, mesh, placements)))
-        if on_ep:
-            moe.expert_exchange = ExpertAllToAll(parallel_dims.submesh("ep").get_group())
-        if on_tp:
-            moe.tp_group = parallel_dims.submesh("tp").get_group()
-        if cp is not None:
-            moe.sequence_group = cp.get_group()
+        moe.parallelize(MoEParallelism(
+            expert_exchange=ExpertAllToAll(parallel_dims.submesh("ep").get_group()) if on_ep else None,
+            sum_partial_grad=partial(sum_grad_over, group=parallel_dims.submesh("tp").get_group()) if on_tp else None,
+            sequence_group=cp.get_group() if cp is not None else None,
+        ))
     return True

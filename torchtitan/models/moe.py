@@ -5,11 +5,12 @@ bias may steer the choice, never the weights) -> tokens sorted by expert -> each
 tokens (dropless: every routed token is computed) -> back in token order, weighted, summed over the k
 choices -> plus the shared experts (a SwiGLU every token goes through).
 
-The layer holds no communication. Expert parallelism swaps ``expert_exchange`` for one that sends each
-token to the rank holding its expert and back (distributed/expert_parallel.py); tensor parallelism sets
-``tp_group`` (see ``MoE.forward``); context parallelism sets ``sequence_group`` for the sequence-wise
-auxiliary loss. The trainer sets the training options (router dtype, expert path, auxiliary loss) from the
-[moe] section and reads and resets the expert loads after every step (components/expert_load.py).
+The layer holds no communication: the parallelisms hand it theirs in one typed call, ``MoE.parallelize``
+(distributed/expert_parallel.py): expert parallelism an exchange that sends each token to the rank holding
+its expert and back, tensor parallelism a gradient sum for the inputs every rank routes alike (see
+``MoE.forward``), context parallelism the group of a sequence's shards for the sequence-wise auxiliary loss.
+The trainer sets the training options (router dtype, expert path, auxiliary loss) from the [moe] section with
+``MoE.configure`` and takes the expert loads after every step (components/expert_load.py).
 """
 
 from collections.abc import Callable
@@ -22,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.models.feed_forward import FeedForward
 
 
@@ -205,6 +205,31 @@ def _in_backward() -> bool:
 ExpertExchange = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class MoEParallelism:
+    """The communication the parallelisms hand a MoE layer (distributed/expert_parallel.py)."""
+
+    expert_exchange: ExpertExchange | None = None
+    """Expert parallelism: runs the sorted tokens on the ranks holding their experts and brings them back."""
+    sum_partial_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Tensor parallelism: the identity whose backward sums the gradient over the TP ranks."""
+    sequence_group: dist.ProcessGroup | None = None
+    """Context parallelism: the ranks holding shards of the same sequences."""
+
+
+@dataclass(frozen=True)
+class MoETraining:
+    """The training options of a MoE layer, set from the [moe] section (components/expert_load.py)."""
+
+    router_dtype: torch.dtype | None = torch.float32
+    """The dtype the router scores in; None: the compute dtype."""
+    aux_loss_coeff: float = 0.0
+    aux_loss_type: Literal["sequence", "batch"] = "sequence"
+    aux_loss_scale: float = 1.0
+    """1 / sequences in the global batch (see MoE._aux_loss)."""
+    expert_path: ExpertPath = "loop"
+
+
 class MoE(nn.Module):
     """Routed experts (+ shared experts) in place of a block's feed-forward; input and output (B, S, dim)."""
 
@@ -219,16 +244,9 @@ class MoE(nn.Module):
         # Tokens routed to each expert since the trainer last read them (training forwards only).
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64),
                              persistent=False)
-        # Training options; the trainer sets them from the [moe] section (components/expert_load.py).
-        self.router_dtype: torch.dtype | None = torch.float32
-        self.aux_loss_coeff = 0.0
-        self.aux_loss_type: Literal["sequence", "batch"] = "sequence"
-        self.aux_loss_scale = 1.0  # 1 / sequences in the global batch (see _aux_loss)
+        self.options = MoETraining()
+        self.parallelism = MoEParallelism()
         self.aux_loss_sum = torch.zeros(())  # detached, for metrics; reset with the loads
-        # Set by the parallelisms (see the module docstring).
-        self.expert_exchange: ExpertExchange | None = None
-        self.tp_group = None
-        self.sequence_group = None
 
     def _apply(self, fn, recurse=True):
         # Module-wide dtype casts (model.to(bfloat16)) leave the routing bias in float32: its steps of ~1e-3 on
@@ -238,6 +256,31 @@ class MoE(nn.Module):
         if self.expert_bias.dtype != kept.dtype and not kept.is_meta:
             self.expert_bias = kept.to(self.expert_bias.device)
         return self
+
+    def configure(self, options: MoETraining) -> None:
+        """Set the training options (the trainer, from the [moe] section)."""
+        self.options = options
+        self.experts.path = options.expert_path
+
+    def parallelize(self, parallelism: MoEParallelism) -> None:
+        """Take the communication the parallelisms need (see the module docstring)."""
+        self.parallelism = parallelism
+
+    def take_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens routed to each expert and the summed auxiliary loss since the last call; both reset."""
+        stats = self.tokens_per_expert.clone(), self.aux_loss_sum
+        self.discard_stats()
+        return stats
+
+    def discard_stats(self) -> None:
+        """Forget the loads and auxiliary loss recorded since the last ``take_stats`` (a skipped step)."""
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum = torch.zeros_like(self.aux_loss_sum)
+
+    @torch.no_grad()
+    def move_bias(self, step: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing: add ``step`` (per expert) to the routing bias."""
+        self.expert_bias += step
 
     def pending_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the trainer has not read yet (loads, auxiliary loss), for ``restore_stats``."""
@@ -257,20 +300,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, dim = x.shape
         tokens = x.reshape(-1, dim)
-        weights, indices, scores = self.router(tokens, self.expert_bias, self.router_dtype)
+        weights, indices, scores = self.router(tokens, self.expert_bias, self.options.router_dtype)
         counts = torch.zeros_like(self.tokens_per_expert).scatter_add_(
             0, indices.flatten(), torch.ones_like(indices.flatten()))
         aux_loss = None
-        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+        if self.options.aux_loss_coeff > 0 and torch.is_grad_enabled():
             aux_loss = self._aux_loss(scores, indices, counts, bsz, seqlen)
         self._record(counts, aux_loss)
         routed_input = tokens
-        if self.tp_group is not None:
+        if (sum_partial_grad := self.parallelism.sum_partial_grad) is not None:
             # Under tensor parallelism every rank routes all tokens alike and its experts hold a slice of
             # the hidden width, so each rank's expert outputs (and the gradients they send back) are
             # partial sums: the output is reduced by the caller, the gradients here.
-            routed_input = sum_grad_over(tokens, self.tp_group)
-            weights = sum_grad_over(weights, self.tp_group)
+            routed_input = sum_partial_grad(tokens)
+            weights = sum_partial_grad(weights)
         out = self._routed(routed_input, weights, indices, counts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -293,8 +336,8 @@ class MoE(nn.Module):
         return (per_choice * weights.to(per_choice.dtype).unsqueeze(-1)).sum(dim=1).to(tokens.dtype)
 
     def _experts(self, sorted_tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.expert_exchange is not None:
-            return self.expert_exchange(sorted_tokens, counts, self.experts)
+        if self.parallelism.expert_exchange is not None:
+            return self.parallelism.expert_exchange(sorted_tokens, counts, self.experts)
         return self.experts(sorted_tokens, counts)
 
     @torch.compiler.disable
@@ -306,7 +349,8 @@ class MoE(nn.Module):
         exchange of expert parallelism and the loop path. The grouped kernel traces in bfloat16 only."""
         if not torch.compiler.is_compiling():
             return False
-        return self.expert_exchange is not None or self.experts.path != "grouped" or dtype != torch.bfloat16
+        return (self.parallelism.expert_exchange is not None or self.experts.path != "grouped"
+                or dtype != torch.bfloat16)
 
     @torch.compiler.disable
     def _record(self, counts: torch.Tensor, aux_loss: torch.Tensor | None) -> None:
@@ -328,8 +372,9 @@ class MoE(nn.Module):
         its shards and each shard adds its part of P."""
         num_experts, k = self.args.num_experts, self.args.top_k
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.args.score_func == "sigmoid" else scores
-        shards = 1 if self.sequence_group is None else dist.get_world_size(self.sequence_group)
-        if self.aux_loss_type == "sequence":
+        group = self.parallelism.sequence_group
+        shards = 1 if group is None else dist.get_world_size(group)
+        if self.options.aux_loss_type == "sequence":
             per_seq = torch.zeros(bsz, num_experts, dtype=torch.float32, device=scores.device)
             rows = torch.arange(bsz, device=scores.device).repeat_interleave(seqlen * k)
             per_seq.index_put_((rows, indices.flatten()), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
@@ -342,12 +387,12 @@ class MoE(nn.Module):
             f = total * num_experts / (k * bsz * seqlen * shards)
             p = probs.sum(dim=0) / (bsz * seqlen * shards)
             loss = (f * p).sum() * bsz
-        return loss * self.aux_loss_coeff * self.aux_loss_scale
+        return loss * self.options.aux_loss_coeff * self.options.aux_loss_scale
 
     @torch.compiler.disable
     def _sum_over_shards(self, t: torch.Tensor) -> torch.Tensor:
-        if self.sequence_group is None:
+        if self.parallelism.sequence_group is None:
             return t
         t = t.clone()
-        dist.all_reduce(t, group=self.sequence_group)
+        dist.all_reduce(t, group=self.parallelism.sequence_group)
         return t
