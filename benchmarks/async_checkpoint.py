@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config import load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.log import init_logger
 from torchtitan.protocols.model import count_params
 from torchtitan.train import Trainer

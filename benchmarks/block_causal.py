@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.peak_flops import cpu_model, usable_cores
 from torchtitan.data import document_positions
-from torchtitan.distributed.precision import DTYPES
+from torchtitan.hardware import DTYPES, cpu_model, usable_cores
 from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
 

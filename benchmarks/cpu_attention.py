@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.peak_flops import cpu_model, usable_cores
+from torchtitan.hardware import cpu_model, usable_cores
 from torchtitan.models import amx_attention
 from torchtitan.models.attention import _CpuBf16FlashAttention
 

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from torchtitan.components.expert_load import time_expert_paths  # noqa: E402
-from torchtitan.components.peak_flops import cpu_model  # noqa: E402
+from torchtitan.hardware import cpu_model  # noqa: E402
 
 # (label, local experts, dim, expert width, routed rows)
 SHAPES = [("debugmodel", 8, 64, 32, 8 * 256 * 2), ("30B-A3B widths, 16 local experts", 16, 2048, 768, 2048 * 8)]

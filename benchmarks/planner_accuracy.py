@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from torchtitan.components.peak_flops import cpu_model, usable_cores
 from torchtitan.config import load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
+from torchtitan.hardware import cpu_model, usable_cores
 from torchtitan.log import init_logger
 from torchtitan.planner import CpuTiming, format_plan, measure_cpu_timing, model_shape, plan
 from torchtitan.train import Trainer

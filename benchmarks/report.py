@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from torchtitan.components.peak_flops import cpu_model
+from torchtitan.hardware import cpu_model
 
 
 def environment() -> str:

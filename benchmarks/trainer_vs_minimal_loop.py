@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.peak_flops import cpu_model, device_peak_tflops, measure_matmul_tflops, usable_cores
+from torchtitan.components.peak_flops import device_peak_tflops, measure_matmul_tflops
 from torchtitan.config import load_config
-from torchtitan.config.validation import validate_config
-from torchtitan.distributed.precision import DTYPES
+from torchtitan.config_check import validate_config
+from torchtitan.hardware import DTYPES, cpu_model, usable_cores
 from torchtitan.log import init_logger
 from torchtitan.train import Trainer
 

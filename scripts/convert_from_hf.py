@@ -13,8 +13,8 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.components.checkpoint import CheckpointError, ModelState
+from torchtitan.components.hf_checkpoint import is_hf_folder
 from torchtitan.config import ConfigError, load_config
-from torchtitan.hf_checkpoint import is_hf_folder
 from torchtitan.inference import build_model, load_hf_weights
 
 

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.hf_checkpoint import write_hf_folder
 from torchtitan.config import ConfigError, load_config
-from torchtitan.distributed.precision import DTYPES
-from torchtitan.hf_checkpoint import write_hf_folder
+from torchtitan.hardware import DTYPES
 from torchtitan.inference import build_model, load_dcp_model
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
 from torchtitan.config.loading import config_to_toml
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.distributed.pipeline_parallel import count_stages
 from torchtitan.models.llama3.args import Llama3ModelArgs, llama3_flavors
 from torchtitan.planner import DEVICE_MEMORY_GIB, GPU_EFFICIENCY, PlanError, model_shape, plan

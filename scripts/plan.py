@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, layout_problem, plan, smallest_world_size
 from torchtitan.protocols.train_spec import TOKENIZER_FILES, get_train_spec
 

@@ -8,8 +8,8 @@ global count of valid tokens, like every loss term.
 
 import torch
 
-from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.objective import OBJECTIVES, NextToken, loss_parts
+from torchtitan.data.dataset import IGNORE_INDEX
 
 COEFF = 0.05
 

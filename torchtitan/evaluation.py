@@ -10,12 +10,14 @@ import dataclasses
 
 import torch
 
-from torchtitan.components.document_masking import DocumentMasking
+from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.precision import DTYPES, compute_autocast, set_compute_dtype
+from torchtitan.distributed.precision import compute_autocast, set_compute_dtype
+from torchtitan.hardware import DTYPES
 from torchtitan.inference import load_model
+from torchtitan.models.document_masking import DocumentMasking
 from torchtitan.protocols.train_spec import get_train_spec
 
 
@@ -59,7 +61,7 @@ def evaluate(
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
     # Validator checks nothing about `enable`; it reads the split the [validation] section names.
     validation = dataclasses.replace(cfg.validation, enable=True)
-    validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=spec.build_loss_fn(),
+    validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=(spec.build_loss_fn or build_cross_entropy_loss)(),
                           device=device, autocast=compute_autocast(cfg.training, device),
                           model_inputs=DocumentMasking.from_config(cfg.model, cfg.training).model_inputs,
                           chat=cfg.training.chat)

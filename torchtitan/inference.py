@@ -14,9 +14,9 @@ from torch import nn
 
 from torchtitan.components.checkpoint import CheckpointError, ModelState, load_state
 from torchtitan.components.checkpoint_storage import verify_checkpoint
+from torchtitan.components.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
-from torchtitan.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.protocols.train_spec import TrainSpec, build_model_args, get_train_spec
 from torchtitan.remote import fetched_folder, filesystem, is_url
 

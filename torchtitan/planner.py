@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.precision import DTYPES, resolve_compute_dtype, uses_autocast
+from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocast
+from torchtitan.hardware import DTYPES
 from torchtitan.models import amx_attention
 from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -418,7 +420,7 @@ def _time_model(cfg: JobConfig, n_layers: int, vocab_size: int, repeats: int) ->
     model = spec.model_cls(args)
     model.init_weights(cfg.debug.seed)
     optimizer = build_optimizer([model], cfg.optimizer)
-    loss_fn = spec.build_loss_fn()
+    loss_fn = (spec.build_loss_fn or build_cross_entropy_loss)()
     tokens = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
     compute = DTYPES[t.mixed_precision_param]
     autocast = torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32)

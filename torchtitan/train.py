@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
-from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.components.expert_load import ExpertLoadBalancer
-from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.forward_backward import LocalForwardBackward, PipelineForwardBackward
-from torchtitan.components.loss import count_valid_tokens, summed_loss_share
+from torchtitan.components.host_memory import keep_freed_host_memory
+from torchtitan.components.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
+from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.components.objective import build_objective
-from torchtitan.components.optimizer import clipped_step
+from torchtitan.components.optimizer import build_optimizer, clipped_step
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.provenance import save_provenance
@@ -30,18 +30,21 @@ from torchtitan.components.step_guard import StepGuard
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.loading import config_to_dict, format_help, save_resolved_config
-from torchtitan.config.validation import load_and_validate
+from torchtitan.config_check import load_and_validate
 from torchtitan.data import Batch, DataError
 from torchtitan.distributed import device as device_lib
+from torchtitan.distributed.apply_common import parallelize_fn_of, pipelining_fn_of
 from torchtitan.distributed.collectives import sum_over
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.grad_norm import global_grad_norm
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.precision import DTYPES, compute_autocast, compute_dtype, set_compute_dtype
+from torchtitan.distributed.precision import compute_autocast, compute_dtype, set_compute_dtype
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
+from torchtitan.hardware import DTYPES
 from torchtitan.log import init_logger, logger
 from torchtitan.models.chunked_cross_entropy import use_chunked_loss
 from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.document_masking import DocumentMasking
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -91,7 +94,8 @@ class Trainer:
                 model.output.compile_loss(cfg.compile.backend)
             self.loss_fn = summed_loss_share
         else:
-            self.loss_fn = spec.build_loss_fn(compile_loss=compile_loss, backend=cfg.compile.backend)
+            build_loss = spec.build_loss_fn or build_cross_entropy_loss
+            self.loss_fn = build_loss(compile_loss=compile_loss, backend=cfg.compile.backend)
         # What a step trains: derives targets from each batch and scores the output (training.objective).
         self.objective = build_objective(training, self.loss_fn, self.model_args, self.masking.block_causal)
         # Tensor-parallel logits stay sharded over the vocabulary into the loss (the chunked loss shards it itself).
@@ -102,7 +106,7 @@ class Trainer:
         self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
         def prepare(part: torch.nn.Module) -> torch.nn.Module:
-            part = spec.parallelize_fn(part, self.parallel_dims, cfg)
+            part = parallelize_fn_of(spec)(part, self.parallel_dims, cfg)
             part.to_empty(device=self.device)
             part.to(DTYPES[training.dtype])
             part.init_weights(cfg.debug.seed, buffer_device=self.device)
@@ -113,7 +117,7 @@ class Trainer:
             # Each rank keeps only its stages; the schedule computes the loss on the last one.
             self.runner = PipelineForwardBackward(self.objective, self.loss_fn, self.autocast, self.loss_parallel,
                                                   self.device)
-            self.pipeline = self.runner.pipeline = spec.pipelining_fn(
+            self.pipeline = self.runner.pipeline = pipelining_fn_of(spec)(
                 model, cfg.parallelism, self.parallel_dims.submesh("pp"), self.device,
                 n_microbatches=training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size,
                 prepare_part=prepare, loss_fn=self.runner.stage_loss,
@@ -124,8 +128,9 @@ class Trainer:
             self.runner = LocalForwardBackward(self.model_parts[0], self.objective, self.autocast, self.loss_parallel)
 
         # Optimisation.
-        self.optimizer = spec.build_optimizer_fn(self.model_parts, cfg.optimizer)
-        self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, training.steps)
+        self.optimizer = (spec.build_optimizer_fn or build_optimizer)(self.model_parts, cfg.optimizer)
+        self.lr_scheduler = (spec.build_lr_scheduler_fn or build_lr_scheduler)(self.optimizer, cfg.lr_scheduler,
+                                                                              training.steps)
 
         # Data: each data-parallel rank reads its share of one global stream.
         dp_rank, dp_degree = self.parallel_dims.dp_coordinates()

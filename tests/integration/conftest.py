@@ -1,11 +1,10 @@
 """Fixtures shared by the integration tests."""
 
-import pytest
-
 import importlib
 
-from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CONFIG, rows_of, train_matrix
+import pytest
 
+from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CONFIG, rows_of, train_matrix
 
 # The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
 DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",

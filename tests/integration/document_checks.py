@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config.validation import load_and_validate
+from torchtitan.config_check import load_and_validate
 from torchtitan.data import Batch, document_positions
+from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.distributed.context_parallel import unshard_sequence
 from torchtitan.log import init_logger
 from torchtitan.train import Trainer

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan.config_check import load_and_validate
 from torchtitan.log import init_logger
-from torchtitan.config.validation import load_and_validate
 from torchtitan.train import Trainer
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan.config.validation import load_and_validate
+from torchtitan.config_check import load_and_validate
 from torchtitan.log import init_logger
 from torchtitan.train import Trainer
 

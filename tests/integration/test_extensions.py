@@ -9,7 +9,7 @@ from tests.conftest import run_command, run_module, torchrun_command
 from tests.integration.parity import rows_of, train_matrix
 from tests.integration.test_training import make_trainer
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.protocols import TrainSpec, register_train_spec
 from torchtitan.protocols.model_converter import register_model_converter
 
@@ -46,13 +46,11 @@ def test_outside_package_model_under_fsdp2_matches_single_process(tmp_path):
 
 
 def test_registries_refuse_duplicates_and_unknown_names():
-    from torchtitan.distributed.apply_common import parallelize_decoder
     from torchtitan.models.decoder import Decoder
     from torchtitan.models.llama3 import llama3_flavors
 
     with pytest.raises(ValueError, match="'llama3' is already registered"):
-        register_train_spec("llama3", TrainSpec(model_cls=Decoder, flavors=llama3_flavors,
-                                                parallelize_fn=parallelize_decoder))
+        register_train_spec("llama3", TrainSpec(model_cls=Decoder, flavors=llama3_flavors))
     with pytest.raises(ValueError, match="'float8' is already registered"):
         from torchtitan.components.float8 import Float8Converter  # noqa: F401  (registers float8)
 

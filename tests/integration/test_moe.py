@@ -162,7 +162,7 @@ def test_200_steps_learn_and_aux_loss_free_balancing_keeps_the_experts_even(tmp_
 
 def _moe_trainer(tmp_path, *flags):
     from torchtitan.config import load_config
-    from torchtitan.config.validation import validate_config
+    from torchtitan.config_check import validate_config
     from torchtitan.train import Trainer
 
     cfg, sources = load_config(["--job.config_file", CONFIG, f"--job.dump_folder={tmp_path}", "--training.seq_len",

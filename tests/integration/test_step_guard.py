@@ -128,7 +128,7 @@ def test_a_skipped_step_leaves_the_moe_routing_biases_and_counts_alone(tmp_path)
 
 def test_guard_settings_are_checked_naming_the_field():
     from torchtitan.config import ConfigError
-    from torchtitan.config.validation import load_and_validate
+    from torchtitan.config_check import load_and_validate
 
     for flag, value, reason in (("spike_factor", "0.5", "it must be > 1 (or 0: no spike check)"),
                                 ("window", "0", "it must be >= 1"), ("max_consecutive", "-1", "it must be >= 0")):

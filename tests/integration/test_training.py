@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan.config import load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.train import Trainer, TrainingError
 
 

@@ -16,9 +16,9 @@ from tests.bad_input import assert_one_line_error, snapshot
 from torchtitan import train
 from torchtitan.components.checkpoint import ModelState, OptimizerState, TrainState
 from torchtitan.components.checkpoint_storage import open_storage, reader_for, verify_checkpoint, writer_for
+from torchtitan.components.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
 from torchtitan.config import load_config
 from torchtitan.data import build_tokenizer
-from torchtitan.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
 from torchtitan.inference import build_model
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 

@@ -19,7 +19,7 @@ from torchtitan.components.checkpoint_storage import (
 )
 from torchtitan.config.job_config import Checkpoint
 from torchtitan.config.loading import ConfigError
-from torchtitan.config.validation import load_and_validate
+from torchtitan.config_check import load_and_validate
 
 
 @pytest.fixture

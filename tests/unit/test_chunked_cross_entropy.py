@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_sum
+from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.models.chunked_cross_entropy import ChunkedLinearCrossEntropy
 
 

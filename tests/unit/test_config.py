@@ -6,7 +6,7 @@ import pytest
 from tests.conftest import run_command, run_module
 from torchtitan.config import ConfigError, JobConfig, load_config
 from torchtitan.config.loading import config_to_toml, format_help, read_toml_chain
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 
 
 def all_keys(cls=JobConfig, prefix=""):

@@ -252,7 +252,7 @@ def test_multi_rank_matches_full_attention(tmp_path, world):
 
 def test_config_errors_for_lengths_cp_cannot_split():
     from torchtitan.config import ConfigError, load_config
-    from torchtitan.config.validation import validate_config
+    from torchtitan.config_check import validate_config
 
     def validate(*flags, world_size=4):
         cfg, sources = load_config(["--job.config_file", "train_configs/debug_model.toml", *flags])
@@ -271,7 +271,7 @@ def test_config_errors_for_lengths_cp_cannot_split():
 
 def test_a_model_without_attention_fn_cannot_use_context_parallelism():
     from torchtitan.config import ConfigError, load_config
-    from torchtitan.config.validation import import_custom_modules, validate_config
+    from torchtitan.config_check import import_custom_modules, validate_config
 
     cfg, sources = load_config(["--job.config_file", "examples/nanogpt/nanogpt.toml",
                                 "--parallelism.context_parallel_degree", "2"])

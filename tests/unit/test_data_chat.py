@@ -7,14 +7,14 @@ import re
 import pytest
 import torch
 
-from torchtitan.components.loss import IGNORE_INDEX
+from tests.conftest import REPO
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.job_config import Chat
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.data import DataError, build_dataloader, build_tokenizer, document_positions
 from torchtitan.data.chat import PackedChatDataset, encode_conversation, load_pydocs_chat
-from tests.conftest import REPO
 from torchtitan.data.chat_template import ChatTemplate
+from torchtitan.data.config import Chat
+from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.data.sources import load_documents, register_dataset
 
 
@@ -247,7 +247,7 @@ def validate(*flags, config="train_configs/debug_model.toml", world_size=1):
 
 
 def test_config_matches_the_dataset_format_and_the_model():
-    from torchtitan.components.document_masking import DocumentMasking
+    from torchtitan.models.document_masking import DocumentMasking
 
     cfg = validate("--training.dataset", "pydocs_chat", "--training.dataset_format", "chat")
     assert DocumentMasking.from_config(cfg.model, cfg.training) == DocumentMasking(True, True)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.job_config import Data, DataSource, DataStage
 from torchtitan.config.loading import config_to_toml
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.data import DataError, build_dataloader, build_tokenizer
+from torchtitan.data.config import Data, DataSource, DataStage
 from torchtitan.data.mixture import pick_sources
 from torchtitan.data.sources import register_dataset
 

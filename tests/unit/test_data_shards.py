@@ -9,7 +9,7 @@ import torch
 
 from scripts import tokenize_dataset
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.data import DataError, build_dataloader, build_tokenizer
 from torchtitan.data.shards import TokenShards
 

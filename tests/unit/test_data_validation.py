@@ -14,7 +14,7 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config.job_config import Validation
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.data import DataError, build_tokenizer
 
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from torchtitan.data import build_tokenizer
+from torchtitan.components.hf_checkpoint import read_hf_model_state, read_safetensors, write_hf_folder
 from torchtitan.config import load_config
-from torchtitan.hf_checkpoint import read_hf_model_state, read_safetensors, write_hf_folder
+from torchtitan.data import build_tokenizer
 from torchtitan.inference import build_model, load_hf_weights, load_model
 from torchtitan.models.attention import DocumentMask, attend
 from torchtitan.models.deepseek_v3 import DeepseekV3StateDictAdapter, MultiHeadLatentAttention, deepseek_v3_flavors
@@ -279,7 +279,7 @@ def test_multi_token_prediction_blocks_go_to_hugging_face_only_when_asked_and_co
 
 def test_tensor_parallel_needs_whole_heads_on_every_rank():
     from torchtitan.config import ConfigError, load_config
-    from torchtitan.config.validation import validate_config
+    from torchtitan.config_check import validate_config
 
     cfg, sources = load_config(["--job.config_file", CONFIG, "--parallelism.tensor_parallel_degree", "8"])
     with pytest.raises(ConfigError, match="n_heads 4 is not divisible by the tensor-parallel degree 8"):

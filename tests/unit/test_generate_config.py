@@ -7,7 +7,7 @@ import pytest
 
 from scripts import generate_config as gc
 from torchtitan.config import load_config
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.models.llama3.args import llama3_flavors
 from torchtitan.planner import model_shape
 

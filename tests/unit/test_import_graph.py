@@ -70,3 +70,54 @@ def test_the_walker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "torchtitan.protocols.train_spec" in graph["torchtitan.models.llama3"]  # it sees real edges
+
+
+# The package's floors, bottom to top: a module imports only from its own floor or the floors below it.
+# A module belongs to the floor of the longest prefix that names it.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaves", ("torchtitan.log", "torchtitan.cache", "torchtitan.registry", "torchtitan.remote",
+                "torchtitan.hardware", "torchtitan.stop_signals", "torchtitan.config_fields")),
+    ("data", ("torchtitan.data",)),
+    ("config schema", ("torchtitan.config",)),
+    ("protocols", ("torchtitan.protocols",)),
+    ("models", ("torchtitan.models",)),
+    ("distributed", ("torchtitan.distributed",)),
+    ("components", ("torchtitan.components",)),
+    # What users run: the trainer, the planner, the config pre-check (and `python -m torchtitan.config`, its
+    # command, which lives in the schema's package), inference, evaluation, generation, the scripts' --device
+    # helper, and the package root (torchtitan.load_model, deferred, so importing a module pulls in nothing).
+    ("entry points", ("torchtitan", "torchtitan.train", "torchtitan.planner", "torchtitan.config_check",
+                      "torchtitan.config.__main__", "torchtitan.inference", "torchtitan.evaluation",
+                      "torchtitan.generation", "torchtitan.device_arg")),
+]
+# (importer, imported) pairs allowed to run up the floors, each with its reason. None today.
+UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def floor_of(module: str) -> int:
+    matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is on no floor: add it to FLOORS"
+    return max(matches)[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} ({FLOORS[floor_of(module)][0]}) imports {dep} ({FLOORS[floor_of(dep)][0]})"
+            for module, deps in sorted(graph.items()) for dep in sorted(deps)
+            if floor_of(dep) > floor_of(module) and (module, dep) not in UPWARD_EXCEPTIONS]
+
+
+def test_imports_run_down_the_floors():
+    assert upward_imports(import_graph()) == []
+
+
+def test_models_import_neither_distributed_nor_components():
+    graph = import_graph()
+    assert [(m, d) for m, deps in graph.items() if m.startswith("torchtitan.models") for d in deps
+            if d.startswith(("torchtitan.distributed", "torchtitan.components"))] == []
+
+
+def test_an_upward_import_is_named():
+    graph = {"torchtitan.models.moe": {"torchtitan.distributed.collectives", "torchtitan.log"}}
+    assert upward_imports(graph) == ["torchtitan.models.moe (models) imports torchtitan.distributed.collectives "
+                                     "(distributed)"]

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.validation import validate_config
-from torchtitan.data.dataset import Batch
+from torchtitan.config_check import validate_config
+from torchtitan.data.dataset import IGNORE_INDEX, Batch
 from torchtitan.inference import build_model
 from torchtitan.models.chunked_cross_entropy import use_chunked_loss
 from torchtitan.models.decoder import TransformerBlock

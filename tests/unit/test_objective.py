@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from tests import z_loss_objective
-from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.objective import OBJECTIVES, NextToken, NextTokenWithMTP, build_objective
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.validation import validate_config
-from torchtitan.data.dataset import Batch
+from torchtitan.config_check import validate_config
+from torchtitan.data.dataset import IGNORE_INDEX, Batch
 from torchtitan.inference import build_model
 from torchtitan.train import Trainer
 

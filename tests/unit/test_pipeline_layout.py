@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config import ConfigError, load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.distributed.pipeline_parallel import SCHEDULES, csv_stage_ranks, split_layers, stage_placement
 
 

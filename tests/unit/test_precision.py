@@ -9,7 +9,7 @@ import torch
 
 from torchtitan.components import peak_flops
 from torchtitan.config import load_config
-from torchtitan.config.validation import validate_config
+from torchtitan.config_check import validate_config
 from torchtitan.distributed import precision
 
 
@@ -148,18 +148,19 @@ def test_the_planner_picks_the_trainers_dtype(fast_bf16, fast, expected):
 
 
 def test_no_other_dtype_name_table_exists():
-    """Dtype names map to torch dtypes in precision.DTYPES only (a grep of the package and scripts)."""
+    """Dtype names map to torch dtypes in hardware.DTYPES only (a grep of the package and scripts)."""
+    from torchtitan import hardware
+
     import re
     from pathlib import Path
 
     # name -> torch dtype, name -> byte size, or a dtype looked up by name on the torch module
     table = re.compile(r"""["'](float32|bfloat16|float16)["']\s*:\s*(torch\.|[1248]\s*[,}])|getattr\(torch,""")
-    root = Path(precision.__file__).parents[2]
+    root = Path(hardware.__file__).parents[1]
     offenders = [f"{path.relative_to(root)}:{number}" for folder in ("torchtitan", "scripts", "benchmarks")
-                 for path in sorted((root / folder).rglob("*.py")) if path != Path(precision.__file__)
+                 for path in sorted((root / folder).rglob("*.py")) if path != Path(hardware.__file__)
                  for number, line in enumerate(path.read_text().splitlines(), 1) if table.search(line)]
     assert offenders == []
-
 
 
 PRESETS = sorted(path.name for path in (Path(__file__).parents[2] / "train_configs").glob("*.toml"))

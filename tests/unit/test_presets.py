@@ -5,7 +5,7 @@ import pytest
 from tests.conftest import REPO, TOKENIZER
 from tests.unit.test_plan_presets import intended_run
 from torchtitan.config import load_config
-from torchtitan.config.validation import import_custom_modules, validate_config
+from torchtitan.config_check import import_custom_modules, validate_config
 
 PRESETS = sorted((REPO / "train_configs").glob("*.toml"))
 

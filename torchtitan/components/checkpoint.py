@@ -50,9 +50,9 @@ from torchtitan.components.checkpoint_storage import (
     verify_checkpoint,
     writer_for,
 )
+from torchtitan.components.hf_checkpoint import read_hf_model_state, write_hf_folder
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
-from torchtitan.distributed.precision import DTYPES
-from torchtitan.hf_checkpoint import read_hf_model_state, write_hf_folder
+from torchtitan.hardware import DTYPES
 from torchtitan.log import logger, one_line
 from torchtitan.models.seeded_init import canonical_name
 from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem

@@ -98,8 +98,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ADMITTED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(found := vars(torch).get(name), _TORCH_VALUES):
+            return found  # a dtype, layout or memory format, pickled by name
         found = getattr(_METADATA_MODULES.get(module), name, None)
         if isinstance(found, type) and found.__module__ == module:
             return found

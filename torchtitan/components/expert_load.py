@@ -25,8 +25,8 @@ from torchtitan.distributed.device import rank as device_rank
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
 from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.models.moe import GroupedExperts, MoE, MoETraining, grouped_mm_supported
+from torchtitan.protocols.model import BaseModelArgs
 
 EXPERT_PATH_CACHE_FILE = "expert_path.json"
 EXPERT_PATH_CACHE_VERSION = 3
@@ -241,7 +241,7 @@ def _synchronize(device: torch.device) -> None:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from torchtitan.components.peak_flops import cpu_model
+    from torchtitan.hardware import cpu_model
 
     return f"cpu {cpu_model()} x{torch.get_num_threads()}"
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from torchtitan.data.dataset import IGNORE_INDEX
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | float], torch.Tensor]
 

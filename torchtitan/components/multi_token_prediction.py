@@ -14,9 +14,9 @@ that depth's valid targets in the whole step, as the main loss is (components/lo
 
 import torch
 
-from torchtitan.components.loss import IGNORE_INDEX, LossFn, count_valid_tokens
+from torchtitan.components.loss import LossFn, count_valid_tokens
 from torchtitan.config.job_config import Checkpoint, Model, Training
-from torchtitan.data.dataset import Batch
+from torchtitan.data.dataset import IGNORE_INDEX, Batch
 from torchtitan.protocols.model import BaseModelArgs
 
 DEFAULT_LOSS_WEIGHT = Training.mtp_loss_weight

@@ -3,15 +3,13 @@
 A device we know nothing about gets no peak (MFU is not reported) rather than another device's.
 """
 
-import os
-import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from torchtitan.cache import cache_dir, measured_once
+from torchtitan.hardware import cpu_model, usable_cores
 from torchtitan.log import logger
 
 # Dense (no sparsity) peak TFLOP/s from vendors' data sheets, by compute dtype.
@@ -93,26 +91,6 @@ def measure_matmul_tflops(dtype: torch.dtype, threads: int, budget_seconds: floa
         return best / 1e12
     finally:
         torch.set_num_threads(previous)
-
-
-def cpuinfo_field(name: str) -> str | None:
-    """The first ``name`` line of Linux's /proc/cpuinfo (e.g. "model name", "flags"); None elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name, as the OS reports it."""
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.log import logger
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from torchtitan.stop_signals import STOP_SIGNALS
 
 
 class PreemptionWatcher:
@@ -31,7 +30,7 @@ class PreemptionWatcher:
         self.received: str | None = None
         self._held: dict[int, float] = {}  # signal -> when it was first held (time.monotonic)
         self._stepped = False
-        self.previous = {sig: signal.signal(sig, self._record) for sig in PREEMPTION_SIGNALS}
+        self.previous = {sig: signal.signal(sig, self._record) for sig in STOP_SIGNALS}
 
     def _record(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -63,9 +62,3 @@ class PreemptionWatcher:
         for sig, handler in self.previous.items():
             # None: a handler not set from Python, i.e. the default one.
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-
-
-def ignore_preemption_signals(worker_id: int | None = None) -> None:
-    """For dataloader workers: the training process decides when to stop, the workers must not die first."""
-    for sig in PREEMPTION_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)

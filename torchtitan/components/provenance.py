@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.peak_flops import cpu_model
+from torchtitan.hardware import cpu_model
 
 PACKAGES = ("torch", "torchdata", "tokenizers", "tiktoken", "numpy", "datasets", "tensorboard", "wandb",
             "torchao", "torchtitan")

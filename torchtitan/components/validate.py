@@ -18,8 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.loss import LossFn, count_valid_tokens
-from torchtitan.config.job_config import Chat, Validation
+from torchtitan.config.job_config import Validation
 from torchtitan.data import Batch, DataError, Tokenizer, build_dataloader
+from torchtitan.data.config import Chat
 from torchtitan.distributed.collectives import sum_over
 
 # (model parts, batch) -> (summed token cross-entropy, valid tokens) of one batch on this rank.

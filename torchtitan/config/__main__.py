@@ -10,7 +10,7 @@ from torchtitan.config import ConfigError
 
 
 def main() -> int:
-    from torchtitan.config.validation import load_and_validate
+    from torchtitan.config_check import load_and_validate
 
     try:
         load_and_validate(sys.argv[1:])

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask, chat_ids
-from torchtitan.data.dataset import StreamPosition, stacked_batch
+from torchtitan.data.dataset import IGNORE_INDEX, StreamPosition, stacked_batch
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.data.tokenizer import Tokenizer

@@ -20,15 +20,15 @@ from collections.abc import Iterator
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.components.preemption import ignore_preemption_signals
-from torchtitan.config.job_config import Chat, Data
 from torchtitan.data.chat import PackedChatDataset
+from torchtitan.data.config import Chat, Data
 from torchtitan.data.dataset import Batch, PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
 from torchtitan.data.mixture import MixtureDataset, MixtureSource
 from torchtitan.data.shards import TokenShards
 from torchtitan.data.sources import load_documents
 from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.stop_signals import ignore_stop_signals
 
 
 class TokenDataLoader(StatefulDataLoader):
@@ -165,7 +165,7 @@ def _loader(packed, num_workers: int, pin_memory: bool, prefetch_factor: int | N
         packed,
         num_workers=num_workers,
         # A preemption signal is for the training process to act on; workers must outlive it.
-        worker_init_fn=ignore_preemption_signals if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor,
         persistent_workers=persistent_workers,

@@ -63,6 +63,10 @@ class StreamPosition:
         return cls(**state)
 
 
+IGNORE_INDEX = -100
+"""The label of a position that trains nothing (a loss mask, the end of a row): cross-entropy skips it."""
+
+
 class Batch(NamedTuple):
     """One micro-batch, every field [local_batch_size, seq_len]: the tokens, their next-token labels
     (IGNORE_INDEX where nothing is trained), and for each token its document within the row and its

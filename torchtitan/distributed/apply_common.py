@@ -1,16 +1,17 @@
 """Parallelizing a model, always in the order TP (and EP) -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
-``parallelize_decoder`` does it all for models built on the shared decoder (models/decoder.py). A
-model of another shape applies its own tensor-parallel plan and then calls
-``apply_ac_compile_and_data_parallel``, the model-independent rest (MoE layers included).
+``parallelize_decoder`` does it all for models built on the shared decoder (models/decoder.py), with the
+family's tensor-parallel block plan. A model of another shape brings its own TrainSpec.parallelize_fn, which
+applies its own tensor-parallel plan and then calls ``apply_ac_compile_and_data_parallel``, the
+model-independent rest (MoE layers included). ``parallelize_fn_of`` and ``pipelining_fn_of`` choose.
 """
 
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.components.document_masking import DocumentMasking
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
@@ -18,13 +19,34 @@ from torchtitan.distributed.context_parallel import apply_context_parallel
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_moe_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp, grouped_query_attention_plan
+from torchtitan.distributed.pipeline_parallel import build_pipeline
+from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
+from torchtitan.models.decoder import Decoder
+from torchtitan.models.document_masking import DocumentMasking
+from torchtitan.protocols.tensor_parallel_plan import BlockPlan
+from torchtitan.protocols.train_spec import TrainSpec
+
+
+def parallelize_fn_of(spec: TrainSpec) -> Callable[..., nn.Module] | None:
+    """The family's parallelize function: its own, or the shared decoder's with its block plan; None for a model
+    of another shape that brings none (config_check refuses it)."""
+    if spec.parallelize_fn is not None:
+        return spec.parallelize_fn
+    if issubclass(spec.model_cls, Decoder):
+        return partial(parallelize_decoder, block_plan=spec.tp_block_plan)
+    return None
+
+
+def pipelining_fn_of(spec: TrainSpec) -> Callable[..., Any] | None:
+    """The family's pipeline split: its own, or the shared decoder's; None: the family cannot be pipelined."""
+    if spec.pipelining_fn is not None:
+        return spec.pipelining_fn
+    return build_pipeline if issubclass(spec.model_cls, Decoder) else None
 
 
 def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig,
-                        block_plan: Callable[[nn.Module], dict[str, ParallelStyle]] = grouped_query_attention_plan,
-                        ) -> nn.Module:
-    """The TrainSpec.parallelize_fn of every shared-decoder family (``block_plan``: see apply_decoder_tp)."""
+                        block_plan: BlockPlan | None = None) -> nn.Module:
+    """Parallelize a model on the shared decoder (``block_plan``: see apply_decoder_tp)."""
     parallelism = job_config.parallelism
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.submesh("tp")

@@ -6,7 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.distributed.precision import DTYPES
+from torchtitan.hardware import DTYPES
 from torchtitan.models.moe import GroupedExperts
 
 

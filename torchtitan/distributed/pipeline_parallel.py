@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     _Action,
@@ -34,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Model, Parallelism, Training, Validation
 from torchtitan.models.decoder_args import DecoderArgs

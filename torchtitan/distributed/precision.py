@@ -11,11 +11,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.peak_flops import cpu_model, cpuinfo_field
 from torchtitan.config.job_config import Training as TrainingConfig
+from torchtitan.hardware import DTYPES, cpu_model, cpuinfo_field
 from torchtitan.log import logger
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # x86 features with which PyTorch's CPU matmuls run bfloat16 at least as fast as float32.
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 

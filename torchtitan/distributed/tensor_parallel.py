@@ -1,7 +1,6 @@
 """Tensor parallelism: its config rules and the plan shared by the decoder families."""
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
-
+from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole
 
 # QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
 # as sharded on the heads dimension (2 of batch, seq, heads, head_dim) makes the weight a replicated
@@ -132,18 +131,18 @@ class ReplicatedWeightsOnly(ParallelStyle):
 
 
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
-                     block_plan: Callable[[nn.Module], dict[str, ParallelStyle]] = grouped_query_attention_plan,
-                     ) -> None:
+                     block_plan: BlockPlan | None = None) -> None:
     """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
     (tok_embeddings, layers.N.{attention_norm, attention, ffn_norm, feed_forward.w1/w2/w3 or moe}, norm, output);
-    ``block_plan(block)`` splits a block's attention and anything else a family puts in its blocks (the default
-    is grouped-query attention's plan).
+    ``block_plan(block)`` splits a block's attention and anything else a family puts in its blocks (None:
+    grouped-query attention's plan); entries are torch ParallelStyles or protocols' ComputeWhole.
 
     Between blocks activations are sharded on the sequence dimension; each block gathers them for
     the column-parallel projections (q/k/v, w1/w3), whose outputs hold whole heads, and its
     row-parallel projections (wo, w2) reduce-scatter back to sequence shards. With loss parallel
     the logits stay sharded on the vocabulary.
     """
+    block_plan = block_plan or grouped_query_attention_plan
     computes_loss = getattr(model.output, "computes_loss", False)
     parallelize_module(
         model,
@@ -163,7 +162,7 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            **block_plan(block),
+            **{name: _style(entry) for name, entry in block_plan(block).items()},
             "ffn_norm": SequenceParallel(),
             **_feed_forward_plan(block),
         }
@@ -172,6 +171,10 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
         # Embedding and output are both sharded on the vocabulary (dim 0), so a tied pair can share
         # one DTensor again after the plan gave each module its own.
         model.tie_weights()
+
+
+def _style(entry: ParallelStyle | ComputeWhole) -> ParallelStyle:
+    return ReplicatedParallel(entry.partial_grad_from) if isinstance(entry, ComputeWhole) else entry
 
 
 def loss_parallel_context(enabled: bool):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.cache import cache_dir
-from torchtitan.components.peak_flops import cpuinfo_field
+from torchtitan.hardware import cpuinfo_field
 from torchtitan.log import logger
 
 HEAD_DIM = 16

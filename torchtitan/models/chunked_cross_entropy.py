@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.models.moe import compute_dtype_of
 
 

@@ -5,7 +5,7 @@ A custom model registers a spec under a new name (from its own package, imported
 """
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,49 +13,43 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import Model, Parallelism
-from torchtitan.models import BUILTIN_FAMILIES
+from torchtitan.data import build_dataloader, build_tokenizer
 from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.protocols.tensor_parallel_plan import BlockPlan
 from torchtitan.registry import Registry
 
 
 @dataclass
 class TrainSpec:
+    """What a model family provides; what it leaves None, the entry points fill with the standard piece."""
+
     model_cls: type[nn.Module]
     """Built as ``model_cls(args)`` on the meta device."""
     flavors: dict[str, BaseModelArgs]
     """Named sizes of the family."""
-    parallelize_fn: Callable[..., nn.Module]
-    """``parallelize_fn(model, parallel_dims, job_config)`` applies TP, AC, compile and FSDP."""
+    parallelize_fn: Callable[..., nn.Module] | None = None
+    """``parallelize_fn(model, parallel_dims, job_config)`` applies TP, AC, compile and FSDP. None: for a model on
+    the shared decoder, distributed/apply_common.parallelize_decoder with ``tp_block_plan``."""
     pipelining_fn: Callable[..., Any] | None = None
-    """Splits the model into pipeline stages (None: the family does not support PP)."""
-    build_optimizer_fn: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
-    build_lr_scheduler_fn: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
-    build_dataloader_fn: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
-    build_tokenizer_fn: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
-    build_loss_fn: Callable[..., Any] = field(default=None)  # type: ignore[assignment]
-    build_validator_fn: Callable[..., Any] | None = None
+    """Splits the model into pipeline stages. None: the shared decoder's split for a model on it, else no PP."""
+    tp_block_plan: BlockPlan | None = None
+    """A shared-decoder family's tensor-parallel plan of a block (None: grouped-query attention's)."""
+    build_optimizer_fn: Callable[..., Any] | None = None
+    """None: components/optimizer.build_optimizer."""
+    build_lr_scheduler_fn: Callable[..., Any] | None = None
+    """None: components/lr_scheduler.build_lr_scheduler."""
+    build_loss_fn: Callable[..., Any] | None = None
+    """None: components/loss.build_cross_entropy_loss."""
+    build_dataloader_fn: Callable[..., Any] = build_dataloader
+    build_tokenizer_fn: Callable[..., Any] = build_tokenizer
     state_dict_adapter: type | None = None
     """Converts between this family's state dict and Hugging Face names (None: no HF interop)."""
 
-    def __post_init__(self) -> None:
-        # Families that do not bring their own builders get the standard ones.
-        from torchtitan.components.loss import build_cross_entropy_loss
-        from torchtitan.components.lr_scheduler import build_lr_scheduler
-        from torchtitan.components.optimizer import build_optimizer
-        from torchtitan.data import build_dataloader, build_tokenizer
 
-        defaults = {
-            "build_optimizer_fn": build_optimizer,
-            "build_lr_scheduler_fn": build_lr_scheduler,
-            "build_dataloader_fn": build_dataloader,
-            "build_tokenizer_fn": build_tokenizer,
-            "build_loss_fn": build_cross_entropy_loss,
-        }
-        for name, fn in defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, fn)
-
-
+BUILTIN_FAMILIES = ("torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.qwen3_moe",
+                    "torchtitan.models.deepseek_v3")
+"""The modules that register the built-in families when imported; the registry imports them on its first lookup,
+so importing a shared piece (say models.moe) does not pull every family in."""
 TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=BUILTIN_FAMILIES)
 
 

@@ -4,13 +4,13 @@ DeepSeek-V3's MoE (sigmoid group-limited routing, shared experts, dense first la
 from torchtitan.models.decoder_spec import decoder_train_spec
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs, deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import DeepseekV3Model, MultiHeadLatentAttention
-from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseek_v3
+from torchtitan.models.deepseek_v3.parallelize import deepseek_v3_block_plan
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 from torchtitan.protocols.train_spec import register_train_spec
 
 register_train_spec("deepseek_v3", decoder_train_spec(deepseek_v3_flavors, DeepseekV3StateDictAdapter,
                                                       model_cls=DeepseekV3Model,
-                                                      parallelize_fn=parallelize_deepseek_v3))
+                                                      tp_block_plan=deepseek_v3_block_plan))
 
 __all__ = ["DeepseekV3Model", "DeepseekV3ModelArgs", "DeepseekV3StateDictAdapter", "MultiHeadLatentAttention",
            "deepseek_v3_flavors"]

@@ -1,4 +1,6 @@
-"""Check a loaded JobConfig before anything is built; every failure is a one-line ConfigError."""
+"""The config pre-check: a loaded JobConfig checked before anything is built, each subsystem by its own
+config_problems; every failure is a one-line ConfigError. An entry point (the trainer, `python -m
+torchtitan.config`, the planner and scripts call it), above every section it checks."""
 
 import dataclasses
 import importlib
@@ -145,13 +147,17 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
 
 
 def _check_model(c: _Checker) -> None:
-    from torchtitan.components.document_masking import config_problems as masking_problems
     from torchtitan.components.expert_load import config_problems as moe_problems
+    from torchtitan.distributed.apply_common import parallelize_fn_of, pipelining_fn_of
+    from torchtitan.models.document_masking import config_problems as masking_problems
     from torchtitan.protocols.train_spec import model_config_problems
 
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
     c.report("", problems)
     if spec is not None:
+        c.require("model.name", parallelize_fn_of(spec) is not None,
+                  "has a TrainSpec without parallelize_fn, which only a model on the shared decoder (a "
+                  "models.decoder.Decoder) may leave out")
         c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls, c.cfg.validation))
     adapter = spec.state_dict_adapter
     # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
@@ -168,7 +174,7 @@ def _check_model(c: _Checker) -> None:
         from torchtitan.distributed.pipeline_parallel import config_problems
 
         c.report("", config_problems(c.cfg.parallelism, c.cfg.training, c.cfg.validation, c.cfg.model,
-                                     spec.pipelining_fn is not None, args))
+                                     pipelining_fn_of(spec) is not None, args))
 
 
 def _check_converters(c: _Checker) -> None:

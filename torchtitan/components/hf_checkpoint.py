@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torchtitan.components.checkpoint_storage import CheckpointError
-from torchtitan.distributed.precision import DTYPES
+from torchtitan.hardware import DTYPES
 from torchtitan.log import one_line
 from torchtitan.models.decoder_state_dict_adapter import UnexpectedWeightError
 
