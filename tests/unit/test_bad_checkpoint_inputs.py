@@ -1,6 +1,7 @@
 """Bad checkpoints and Hugging Face weights given to the trainer and the conversion scripts: one line naming the
 file and tensor, no traceback, and nothing that existed before written over or removed."""
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -13,10 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from scripts import convert_from_hf, convert_to_hf
 from tests.bad_input import assert_one_line_error, snapshot
+from tests.unit.test_checkpoint_storage import FakeLoader
 from torchtitan import train
-from torchtitan.components.checkpoint import ModelState, OptimizerState, TrainState
-from torchtitan.components.checkpoint_storage import open_storage, reader_for, verify_checkpoint, writer_for
+from torchtitan.components.checkpoint import CheckpointManager, ModelState, TrainState
+from torchtitan.components.checkpoint_storage import CheckpointError, open_storage, verify_checkpoint
 from torchtitan.components.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.step_guard import StepGuard
 from torchtitan.config import load_config
 from torchtitan.data import build_tokenizer
 from torchtitan.inference import build_model
@@ -216,24 +221,98 @@ def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(tmp_path):
         assert not victim.exists()
 
 
-def test_every_state_the_trainer_saves_loads_through_the_restricted_reader(tmp_path):
-    """MoE (stacked experts, routing bias), MTP blocks, the optimizer's flattened state with its param groups,
-    the train state's RNG, under a local folder and a URL."""
-    cfg, _ = load_config(["--job.config_file", "train_configs/deepseek_v3_debug.toml"])
+def _run(cfg, folder: str, loader_state=None):
+    """A checkpoint manager over a fresh model, the trainer's optimizer and schedule, a dataloader stand-in and the
+    train state, as the trainer builds them (CPU, synchronous saves)."""
     model, _ = build_model(cfg)
-    assert model.args.mtp_depth == 1 and model.args.moe is not None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, 2048, (1, 16))).float().mean().backward()
-    optimizer.step()
-    state = {"model": ModelState([model]), "optimizer": OptimizerState([model], optimizer),
-             "train_state": TrainState(step=7)}
-    for location in (str(tmp_path / "ck"), f"file://{tmp_path}/remote"):
-        dcp.save(state, storage_writer=writer_for(location), no_dist=True)
-        metadata = verify_checkpoint(location)
-        assert "model.layers.4.eh_proj.weight" in metadata.state_dict_metadata  # the MTP block
-        fresh, _ = build_model(cfg)
-        loaded = {"model": ModelState([fresh]), "train_state": TrainState()}
-        dcp.load(loaded, storage_reader=reader_for(location), no_dist=True)
-        assert loaded["train_state"].step == 7
+    optimizer = build_optimizer([model], cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    checkpoint = dataclasses.replace(cfg.checkpoint, enable=True, folder=folder, async_mode="disabled")
+    return CheckpointManager(checkpoint, "unused", [model], optimizer, scheduler, FakeLoader(loader_state),
+                             TrainState(), torch.device("cpu"), StepGuard(cfg.training.guard))
+
+
+@pytest.fixture(scope="module")
+def deepseek_cfg():
+    cfg, _ = load_config(["--job.config_file", "train_configs/deepseek_v3_debug.toml"])
+    return cfg
+
+
+def _train_two_steps(manager) -> None:
+    model = manager.model_parts[0]
+    optimizer = manager.states["optimizer"].optimizer
+    for _ in range(2):
+        for param in model.parameters():  # every weight, the MTP block's too (its loss is not run here)
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.states["lr_scheduler"].scheduler.step()
+    manager.states["train_state"].step, manager.states["train_state"].tokens_seen = 2, 32
+
+
+def test_every_state_the_trainer_saves_loads_back_whole_through_the_restricted_reader(tmp_path, deepseek_cfg):
+    """MoE (stacked experts, routing bias) and MTP blocks, AdamW's state and param groups (stored as bytes), the
+    schedule, the dataloader position and the train state with its RNG, under a local folder and a URL."""
+    position = {"stream_position": {"sequence": 17, "sources": [{"epoch": 0, "document": 5, "offset": 9}]}}
+    for folder in (str(tmp_path / "ck"), f"file://{tmp_path}/remote"):
+        saved = _run(deepseek_cfg, folder, position)
+        model = saved.model_parts[0]
+        assert model.args.mtp_depth == 1 and model.args.moe is not None
+        _train_two_steps(saved)
+        rng = torch.get_rng_state()
+        saved.save(2, last_step=100)
+        assert "optimizer.param_groups.tok_embeddings.weight.betas" in verify_checkpoint(
+            saved.storage.where("step-2")).state_dict_metadata  # what reaches the bytes path
+        torch.manual_seed(123)
+        loaded = _run(deepseek_cfg, folder)
+        assert loaded.load() == 2
         for name, tensor in model.state_dict().items():
-            assert torch.equal(fresh.state_dict()[name], tensor), name
+            assert torch.equal(loaded.model_parts[0].state_dict()[name], tensor), name
+        assert "layers.4.eh_proj.weight" in model.state_dict()  # the MTP block
+        want, got = (m.states["optimizer"].optimizer.state_dict() for m in (saved, loaded))
+        assert got["param_groups"] == want["param_groups"] and want["param_groups"][0]["betas"] == (0.9, 0.95)
+        assert want["state"].keys() == got["state"].keys() and len(want["state"]) == len(list(model.parameters()))
+        for index, entries in want["state"].items():
+            for key, value in entries.items():
+                assert torch.equal(got["state"][index][key], value), (index, key)
+        schedules = [m.states["lr_scheduler"].scheduler for m in (saved, loaded)]
+        assert schedules[1].last_epoch == 2 and schedules[1].get_last_lr() == schedules[0].get_last_lr()
+        assert loaded.states["dataloader"].dataloader.loaded == position
+        state = loaded.states["train_state"]
+        assert (state.step, state.tokens_seen) == (2, 32) and torch.equal(torch.get_rng_state(), rng)
+
+
+def _crafted_copy(manager, folder: Path, entry: str, value) -> None:
+    """``manager``'s whole state saved to ``folder`` with the entry ``entry`` (a dotted name) replaced by
+    ``value``: a checkpoint that looks like the trainer's, as someone else could write it."""
+    state = {key: dict(stateful.state_dict()) for key, stateful in manager.states.items()}
+    key, name = entry.split(".", 1)
+    assert name in state[key]
+    state[key][name] = value
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def test_a_crafted_bytes_entry_is_refused_naming_it_and_runs_nothing(tmp_path, deepseek_cfg):
+    """Entries DCP stores as pickled bytes (the optimizer's param groups) are read with torch.load's weights-only
+    unpickler: an object whose unpickling would create a file is refused, on resume and in the conversion script."""
+    victim = tmp_path / "created_by_unpickling"
+    manager = _run(deepseek_cfg, str(tmp_path / "ck"), {"position": 1})
+    _train_two_steps(manager)
+    entry = "optimizer.param_groups.layers.2.moe.experts.w1.lr"
+    _crafted_copy(manager, tmp_path / "ck" / "step-2", entry, _CreatesAFile(victim))
+    with pytest.raises(CheckpointError, match=rf"^cannot load checkpoint {tmp_path}/ck/step-2: refusing the entry "
+                                              rf"{entry}: it names io.open; an entry is loaded only when it holds "
+                                              r"plain values \(numbers, strings, tuples, tensors\)$"):
+        _run(deepseek_cfg, str(tmp_path / "ck")).load()
+    assert not victim.exists()
+    # Model weights stored as bytes instead of tensors go the same way, here through convert_to_hf.py.
+    cfg, _ = load_config(["--job.config_file", TINY])
+    model, _ = build_model(cfg)
+    crafted = tmp_path / "crafted"
+    dcp.save({"model": {**ModelState([model]).state_dict(), "output.weight": _CreatesAFile(victim)}},
+             checkpoint_id=str(crafted), no_dist=True)
+    before = snapshot(tmp_path)
+    assert_one_line_error(convert_to_hf.main, [str(crafted), str(tmp_path / "out"), "--config", TINY],
+                          f"cannot load checkpoint {crafted}: refusing the entry model.output.weight: it names "
+                          "io.open", unchanged=before)
+    assert not victim.exists() and not (tmp_path / "out").exists()

@@ -11,10 +11,11 @@ or a URL such as ``s3://bucket/run``; see checkpoint_storage.py for how completi
                         DCP, or with checkpoint.last_save_in_hf a Hugging Face folder (config.json,
                         model.safetensors, tokenizer files) that transformers loads
 
-Everything we store ourselves is a tensor (steps, token counts, RNG states, the dataloader's stream
-position), so nothing of ours is pickled. DCP's own .metadata file is a pickle, read with an unpickler that
-admits only the classes DCP metadata is made of (checkpoint_storage.py). Weights from elsewhere should come in
-as Hugging Face safetensors.
+What we store ourselves is a tensor (steps, token counts, RNG states, the dataloader's stream position).
+Two things in a checkpoint are pickles, and neither is unpickled freely (checkpoint_storage.py): DCP's .metadata
+file, read with an unpickler that admits only the classes DCP metadata is made of, and the optimizer's param
+groups (learning rates, betas, flags), which DCP stores as pickled bytes, read with torch.load's weights-only
+unpickler. Weights from elsewhere should come in as Hugging Face safetensors.
 """
 
 import json
@@ -43,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpoint_storage import (
     CheckpointError,
+    SafeLoadPlanner,
     checkpoint_location,
     complete_steps,
     open_storage,
@@ -260,13 +262,14 @@ def _first_failure(error: BaseException) -> str:
     if failures:
         error = next(iter(failures.values()))
         error = error[0] if isinstance(error, tuple) else error
-    return one_line(error)
+    return str(error) if isinstance(error, CheckpointError) else one_line(error)
 
 
 def load_state(state: dict, where: str, no_dist: bool) -> None:
-    """``dcp.load`` from a checkpoint folder or URL (its metadata unpickled restrictedly); failures as one line."""
+    """``dcp.load`` from a checkpoint folder or URL (its metadata and its non-tensor entries unpickled
+    restrictedly); failures as one line."""
     try:
-        dcp.load(state, storage_reader=reader_for(where), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader_for(where), planner=SafeLoadPlanner(), no_dist=no_dist)
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         raise CheckpointError(f"cannot load checkpoint {where}: {_first_failure(e)}") from None
 

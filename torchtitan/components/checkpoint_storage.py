@@ -15,12 +15,16 @@ Nothing else is ever written over or removed: a step folder that is neither comp
 program's own unfinished save (written by another tool, or its marker deleted) makes the run refuse to start
 (``refuse_unowned``), since its saves would write over it.
 
-DCP's ``.metadata`` file is a pickle. It is read with an unpickler that admits only the classes checkpoint
-metadata is made of, so a crafted file (e.g. in a shared bucket) cannot run code when loaded.
+Pickles are never unpickled freely, so a crafted checkpoint (e.g. in a shared bucket) cannot run code when loaded:
+DCP's ``.metadata`` file is read with an unpickler that admits only the classes checkpoint metadata is made of,
+and the entries DCP stores as pickled bytes (values that are not tensors, such as the optimizer's param groups:
+learning rates, betas, flags) with torch.load's weights-only unpickler (``SafeLoadPlanner``).
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import pickle
 import re
@@ -33,7 +37,10 @@ from typing import TypeVar
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from torchtitan.log import logger, one_line
 from torchtitan.remote import filesystem, is_url, join
@@ -110,8 +117,7 @@ class _RestrictedMetadata:
     """``read_metadata`` as DCP's readers do it, with ``_MetadataUnpickler`` instead of ``pickle.load``."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        path = self.fs.concat_path(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = _MetadataUnpickler(stream).load()
@@ -132,14 +138,37 @@ class _SafeFileSystemReader(_RestrictedMetadata, FileSystemReader):
     pass
 
 
-_FSSPEC_READER: list[type] = []
-
-
+@functools.cache
 def _safe_fsspec_reader() -> type:
     """DCP's fsspec reader with the restricted metadata unpickler (its module is imported only for URLs)."""
-    if not _FSSPEC_READER:
-        _FSSPEC_READER.append(type("_SafeFsspecReader", (_RestrictedMetadata, _fsspec_dcp().FsspecReader), {}))
-    return _FSSPEC_READER[0]
+    return type("_SafeFsspecReader", (_RestrictedMetadata, _fsspec_dcp().FsspecReader), {})
+
+
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the entries stored as pickled bytes with torch.load's weights-only unpickler
+    (numbers, strings, bools, None, tuples, lists, dicts, tensors): DCP's own planner unpickles them freely, so an
+    entry such as ``optimizer.param_groups.NAME.lr`` could hold an object that runs code when loaded."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            # torch's message is a paragraph on how to load it anyway; the class it names is what matters here.
+            found = _UNSUPPORTED_GLOBAL.search(str(e))
+            reason = f"it names {found.group(1)}" if found else one_line(e).split("WeightsUnpickler error: ")[-1]
+            raise CheckpointError(f"refusing the entry {name}: {reason}; an entry is loaded only when it holds "
+                                  "plain values (numbers, strings, tuples, tensors)") from None
+        except Exception as e:  # truncated or not a pickle
+            raise CheckpointError(f"cannot read the entry {name}: {one_line(e)}") from None
+        # Placed where DCP's own load_bytes places it.
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[name], loaded)
+        else:
+            self.state_dict[name] = loaded
 
 
 def _file_sizes(location: str) -> dict[str, int]:
