@@ -62,8 +62,9 @@ def test_url_checkpoints_save_prune_and_resume_with_the_local_losses(tmp_path, l
 
 @pytest.mark.slow
 def test_two_ranks_save_async_to_a_shared_object_store_and_resume(tmp_path):
-    """FSDP over 2 processes writing to a store without folder renames; a relaunch after step 8's marker is lost
-    resumes from step 6 and repeats steps 7-8 bitwise."""
+    """FSDP over 2 processes writing to a store without folder renames; a relaunch after step 8's save was cut short
+    before its marker (rank 0 removes it while the others wait for its verdict) resumes from step 6 and repeats
+    steps 7-8 bitwise."""
     env = {"OBJSTORE_ROOT": str(tmp_path / "store")}
     (tmp_path / "store").mkdir()
     run = [*torchrun_command(2, RUNNER), *FLAGS, "--training.local_batch_size", "2", "--checkpoint.async_mode",
@@ -76,6 +77,7 @@ def test_two_ranks_save_async_to_a_shared_object_store_and_resume(tmp_path):
     assert sorted(p.name for p in (folder / "step-8").iterdir()) == [
         ".complete", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     (folder / "step-8" / ".complete").unlink()
+    (folder / "step-8" / ".in-progress").write_bytes(b"")  # as a save of ours cut short leaves it
     second = run_command(run, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 6" in second.stdout + second.stderr

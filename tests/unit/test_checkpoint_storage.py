@@ -1,6 +1,7 @@
 """Checkpoint storage: local folders and URLs, what counts as complete, and the dataloader state's format."""
 
 import json
+import re
 import uuid
 
 import fsspec
@@ -195,3 +196,46 @@ def test_a_metrics_backend_that_cannot_be_imported_fails_validation_on_every_ran
     with pytest.raises(ConfigError, match=r"metrics.enable_wandb = True needs wandb, which cannot be imported here "
                                           r"\(ModuleNotFoundError: import of wandb halted"):
         load_and_validate(["--job.config_file", "train_configs/tiny.toml", "--metrics.enable_wandb"])
+
+
+def test_on_resume_rank_0_alone_looks_at_the_folder_and_every_rank_raises_its_verdict(url, monkeypatch):
+    """Ranks listing a URL folder while rank 0 removes a save cut short could see it half removed and disagree,
+    one raising alone while the others wait for it: rank 0 checks and cleans, then every rank gets its verdict."""
+    from torchtitan.components import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    manager = checkpoint.CheckpointManager(Checkpoint(enable=True, folder=url), "unused", [model], optimizer,
+                                           scheduler, FakeLoader(), checkpoint.TrainState(), torch.device("cpu"),
+                                           checkpoint.TrainState())
+    storage = manager.storage
+    save(storage, "step-7", torch.randn(2))  # cut short before its marker ...
+    fsspec.filesystem("memory").rm(f"{url.removeprefix('memory:/')}/step-7/.in-progress")  # ... and not ours
+    looked, sent = [], []
+    for name in ("refuse_unowned", "remove_incomplete"):
+        real = getattr(storage, name)
+        monkeypatch.setattr(storage, name, lambda real=real, name=name: (looked.append(name), real())[1])
+    monkeypatch.setattr(checkpoint.dist, "is_initialized", lambda: True)
+
+    def broadcast(objects, src, group=None):
+        assert src == 0
+        if manager.rank == 0:
+            sent.append(objects[0])
+        else:
+            objects[0] = sent[-1]
+
+    monkeypatch.setattr(checkpoint.dist, "broadcast_object_list", broadcast)
+    expected = f"checkpoint folder {url} holds step-7 (no .complete marker; it holds .metadata"
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        manager.load()
+    assert looked == ["refuse_unowned"] and sent[0].startswith(expected)
+    manager.rank = 1
+    with pytest.raises(CheckpointError) as raised:
+        manager.load()
+    assert str(raised.value) == sent[0] and looked == ["refuse_unowned"]  # rank 1 did not look
+    storage.delete("step-7")
+    storage.begin("step-8")  # a save of ours cut short: rank 0 removes it, every rank goes on
+    manager.rank = 0
+    assert manager.load() is None and sent[-1] is None and not storage._children()
+    assert looked == ["refuse_unowned", "refuse_unowned", "remove_incomplete"]

@@ -321,9 +321,7 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return None
-        if not self.cfg.load_only:
-            self.storage.refuse_unowned()  # every rank: one that raised alone would leave the others waiting
-        self._remove_incomplete_saves()
+        self._check_folder()
         steps = self.storage.steps()
         if self.cfg.load_step != -1:
             if self.cfg.load_step not in steps:
@@ -385,13 +383,26 @@ class CheckpointManager:
                 self.states[key].prepare_load(metadata)
         load_state({k: self.states[k] for k in keys}, where, self.no_dist)
 
-    def _remove_incomplete_saves(self) -> None:
-        """Drop what a run killed mid-save left behind; complete checkpoints are untouched. Not with load_only:
-        such a job may read a folder another run is writing to."""
+    def _check_folder(self) -> None:
+        """Refuse a folder holding steps that are not ours, then drop what a run killed mid-save left behind;
+        complete checkpoints are untouched. Not with load_only: such a job may read a folder another run is
+        writing to. Rank 0 alone looks and sends every rank its verdict: ranks listing while rank 0 deletes
+        could see a step half removed and disagree, one raising alone while the others wait for it."""
+        problem = None
         if self.rank == 0 and not self.cfg.load_only:
-            self.storage.remove_incomplete()
+            try:
+                self.storage.refuse_unowned()
+                self.storage.remove_incomplete()
+            except CheckpointError as e:
+                problem = str(e)
+            except Exception as e:  # e.g. a URL failing mid-listing: still a verdict every rank must hear
+                problem = f"checkpoint folder {self.storage.location}: {one_line(e)}"
         if dist.is_initialized():
-            dist.barrier()
+            verdict = [problem]
+            dist.broadcast_object_list(verdict, src=0, group=self.save_group)
+            problem = verdict[0]
+        if problem is not None:
+            raise CheckpointError(problem)
 
     # ----- saving -----
 
