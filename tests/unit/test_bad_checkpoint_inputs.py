@@ -76,7 +76,10 @@ def test_unmarked_steps_in_the_checkpoint_folder_are_refused_and_left_byte_ident
                                                           f"--checkpoint.folder=file://{remote}"),
                                  f"checkpoint folder file://{remote} holds export-step-1 (no .complete marker), "
                                  "step-1 (no .complete marker; it holds .metadata: to resume from it, add its "
-                                 ".complete marker)", "move it away, or set checkpoint.folder", unchanged=before)
+                                 ".complete marker)", "written by another tool, or by a torchtitan version before "
+                                 "this one, which did not mark the saves it left unfinished, or its marker was "
+                                 "deleted", "move it away (or delete it, if it is a save that was cut short), or set "
+                                 "checkpoint.folder", unchanged=before)
     assert "step: 1" not in line
     assert_one_line_error(train.main, trainer_args(tmp_path, "--checkpoint.enable", f"--checkpoint.folder={local}"),
                           f"checkpoint folder {local} holds step-1 (no .metadata)", unchanged=before)

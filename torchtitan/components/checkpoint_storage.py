@@ -12,8 +12,8 @@ by object):
   before removing anything, so a step cut short carries it and is deleted on the next start.
 
 Nothing else is ever written over or removed: a step folder that is neither complete nor marked as this
-program's own unfinished save (written by another tool, or its marker deleted) makes the run refuse to start
-(``refuse_unowned``), since its saves would write over it.
+program's own unfinished save (written by another tool, by an earlier version that did not mark its saves, or
+its marker deleted) makes the run refuse to start (``refuse_unowned``), since its saves would write over it.
 
 Pickles are never unpickled freely, so a crafted checkpoint (e.g. in a shared bucket) cannot run code when loaded:
 DCP's ``.metadata`` file is read with an unpickler that admits only the classes checkpoint metadata is made of,
@@ -225,8 +225,10 @@ class _Storage:
         if unowned:
             raise CheckpointError(
                 f"checkpoint folder {self.location} holds {', '.join(unowned)}: not a complete checkpoint, nor a save "
-                "this program left unfinished (written by another tool, or its marker was deleted); the run would "
-                "write over it, so it is left alone: move it away, or set checkpoint.folder to another folder")
+                "this program left unfinished (written by another tool, or by a torchtitan version before this one, "
+                "which did not mark the saves it left unfinished, or its marker was deleted); the run would write "
+                "over it, so it is left alone: move it away (or delete it, if it is a save that was cut short), or "
+                "set checkpoint.folder to another folder")
 
 
 class LocalStorage(_Storage):
