@@ -5,6 +5,7 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,12 +20,18 @@ def cache_dir() -> Path:
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file ``path`` (created if need be): other processes on this machine wait."""
+def locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive lock on the file ``path`` (created if need be): other processes on this machine wait.
+    Yields whether this one had to wait (another held the lock when it asked)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = True
+        yield waited
 
 
 def measured_once(file_name: str, key: str, measure: Callable[[], Any],
@@ -48,19 +55,38 @@ def measured_once(file_name: str, key: str, measure: Callable[[], Any],
         return cache[key], True
 
 
-def filled_once(folder: Path, marker: str, content: bytes, fill: Callable[[Path], None]) -> Path:
+def filled_once(folder: Path, marker: str, content: bytes | Callable[[], bytes], fill: Callable[[Path], None]) -> Path:
     """``folder`` (in the cache), filled by ``fill(folder)`` once per machine: the first process fills it under a
     file lock while the others wait, then reuse it. It counts as complete only when its file ``marker`` holds
     ``content``, written last (atomically); otherwise (an interrupted copy, or ``content`` changed: another
-    version of the source) it is emptied and filled again."""
-    done = folder / marker
-    with locked(folder.with_suffix(".lock")):
-        if done.is_file() and done.read_bytes() == content:
-            return folder
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        fill(folder)
-        tmp = folder / f"{marker}.tmp"
-        tmp.write_bytes(content)
-        os.replace(tmp, done)
+    version of the source) it is emptied and filled again.
+
+    ``content`` may be a function (e.g. listing the source's versions), called under the lock. A process that
+    waited while another one checked the folder takes that check as its own instead of calling it again, so the
+    processes a launch starts together (the ranks of a node) call it once."""
+    done, checked = folder / marker, folder.with_suffix(".checked")  # checked: rewritten by every check
+    seen = _read(checked)
+    with locked(folder.with_suffix(".lock")) as waited:
+        check = content if callable(content) else None
+        if check is not None:
+            if waited and done.is_file() and _read(checked) != seen:
+                return folder
+            content = check()
+        if not (done.is_file() and done.read_bytes() == content):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            fill(folder)
+            _write(folder / f"{marker}.tmp", done, content)
+        if check is not None:
+            _write(folder.with_suffix(".checked.tmp"), checked, uuid.uuid4().hex.encode())
     return folder
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _write(tmp: Path, path: Path, content: bytes) -> None:
+    """Replace ``path`` whole: a reader sees the old content or the new, never a part."""
+    tmp.write_bytes(content)
+    os.replace(tmp, path)

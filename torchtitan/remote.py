@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from torchtitan.log import one_line
+from torchtitan.log import logger, one_line
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -72,34 +72,46 @@ def _version(info: dict) -> str:
 def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
     """A local folder holding ``location``'s files that match ``pattern``: the folder itself when it is local,
     else a copy of the URL's matching top-level files in the cache folder ($TORCHTITAN_CACHE_DIR/fetched/),
-    made once per machine: the first process copies under a file lock (the others wait and reuse it) and marks
-    the copy complete last. Weights of a large model are read by every rank of a node; one copy serves them.
+    made once per machine: the first process lists and copies under a file lock (the others wait and reuse its
+    work) and marks the copy complete last. Weights of a large model are read by every rank of a node; one copy
+    serves them.
 
     The copy is kept for the remote files as listed now (names, sizes, ETags or modification times): once one
-    of them changes (e.g. a broken file is repaired), the next call copies them again."""
+    of them changes (e.g. a broken file is repaired), the next call copies them again. When the URL cannot be
+    listed (an offline node), a complete copy is used as it is, with a warning."""
     if not is_url(location):
         yield Path(location)
         return
     from torchtitan.cache import cache_dir, filled_once
 
-    try:
-        fs, root = filesystem(location)
-        listed = sorted(((info["name"], info) for info in fs.ls(root, detail=True) if info.get("type") != "directory"
-                         and fnmatch.fnmatch(info["name"].rstrip("/").rsplit("/", 1)[-1], pattern)),
-                        key=lambda entry: entry[0])
-    except Exception as e:
-        raise RemoteError(f"{location}: cannot list {pattern}: {one_line(e)}") from None
-    if not listed:
-        raise RemoteError(f"{location}: holds no {pattern} files")
+    local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
+    complete = local / ".complete"
+    remote = {}
 
-    def copy(local: Path) -> None:
+    def versions() -> bytes:
         try:
-            for name, _ in listed:
-                fs.get_file(name, str(local / name.rstrip("/").rsplit("/", 1)[-1]))
+            fs, root = filesystem(location)
+            listed = sorted(((info["name"], info) for info in fs.ls(root, detail=True)
+                             if info.get("type") != "directory"
+                             and fnmatch.fnmatch(info["name"].rstrip("/").rsplit("/", 1)[-1], pattern)),
+                            key=lambda entry: entry[0])
+        except Exception as e:
+            if complete.is_file():  # written last: the copy is whole
+                logger.warning(f"cannot list {location} ({one_line(e)}): using the copy of its {pattern} fetched "
+                               f"earlier, {local}")
+                return complete.read_bytes()
+            raise RemoteError(f"{location}: cannot list {pattern}: {one_line(e)}") from None
+        if not listed:
+            raise RemoteError(f"{location}: holds no {pattern} files")
+        remote.update(fs=fs, listed=listed)
+        return (f"{location}\n" + "".join(f"{name} {_version(info)}\n" for name, info in listed)).encode()
+
+    def copy(folder: Path) -> None:
+        try:
+            for name, _ in remote["listed"]:
+                remote["fs"].get_file(name, str(folder / name.rstrip("/").rsplit("/", 1)[-1]))
         except Exception as e:
             raise RemoteError(f"{location}: cannot fetch {pattern}: {one_line(e)}") from None
 
-    local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
-    versions = "".join(f"{name} {_version(info)}\n" for name, info in listed)
-    filled_once(local, ".complete", f"{location}\n{versions}".encode(), copy)
+    filled_once(local, complete.name, versions, copy)
     yield local

@@ -199,6 +199,93 @@ def test_weights_fetched_from_a_url_are_fetched_again_once_the_remote_file_chang
         assert again == local and fetched == []
 
 
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_weights_fetched_once_are_reused_with_a_warning_when_the_url_cannot_be_listed(tmp_path, monkeypatch, caplog,
+                                                                                       scheme):
+    """An offline node (here: the remote folder deleted) keeps using a complete copy; without one it is an error."""
+    import fsspec
+
+    from torchtitan.log import logger
+    from torchtitan.remote import RemoteError, fetched_folder
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    fs = fsspec.filesystem(scheme)
+    root = str(tmp_path / "remote") if scheme == "file" else f"/{tmp_path.name}/remote"
+    url = f"{scheme}://{root}"
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/model.safetensors", b"weights")
+    with fetched_folder(url, "*.safetensors") as local:
+        pass
+    fs.rm(root, recursive=True)
+    logger.addHandler(caplog.handler)
+    try:
+        with fetched_folder(url, "*.safetensors") as again:
+            assert again == local and (again / "model.safetensors").read_bytes() == b"weights"
+    finally:
+        logger.removeHandler(caplog.handler)
+    [warning] = {r.getMessage() for r in caplog.records if r.levelname == "WARNING"}  # propagated or not
+    assert warning.startswith(f"cannot list {url} (FileNotFoundError: ") and root in warning
+    assert warning.endswith(f"): using the copy of its *.safetensors fetched earlier, {local}")
+    (local / ".complete").unlink()  # an interrupted copy is no copy
+    with pytest.raises(RemoteError, match=f"^{url}: cannot list \\*.safetensors: FileNotFoundError"):
+        with fetched_folder(url, "*.safetensors"):
+            pass
+
+
+def test_processes_arriving_together_list_the_url_once(tmp_path, monkeypatch):
+    """A process that waited for the cache lock while another checked the copy reuses that check: the ranks of a
+    node list the remote once, not once each."""
+    import fcntl
+    import threading
+
+    import fsspec
+
+    from torchtitan import cache
+    from torchtitan.remote import fetched_folder
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
+    fs = fsspec.filesystem("file")
+    fs.makedirs(f"{tmp_path}/remote")
+    fs.pipe_file(f"{tmp_path}/remote/model.safetensors", b"weights")
+    url = f"file://{tmp_path}/remote"
+    with fetched_folder(url, "*.safetensors"):
+        pass
+    listings, first_lists, second_waits = [], threading.Event(), threading.Event()
+    real_ls, real_flock = type(fs).ls, fcntl.flock
+
+    def ls(self, path, *args, **kwargs):
+        listings.append(threading.current_thread().name)
+        if threading.current_thread().name == "first":  # holds the lock until the second is waiting for it
+            first_lists.set()
+            assert second_waits.wait(30)
+        return real_ls(self, path, *args, **kwargs)
+
+    def flock(file, operation):
+        try:
+            return real_flock(file, operation)
+        except BlockingIOError:
+            if threading.current_thread().name == "second":
+                second_waits.set()
+            raise
+
+    monkeypatch.setattr(type(fs), "ls", ls)
+    monkeypatch.setattr(cache.fcntl, "flock", flock)
+    results = {}
+
+    def fetch():
+        with fetched_folder(url, "*.safetensors") as local:
+            results[threading.current_thread().name] = (local / "model.safetensors").read_bytes()
+
+    first = threading.Thread(target=fetch, name="first")
+    first.start()
+    assert first_lists.wait(30)
+    second = threading.Thread(target=fetch, name="second")
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert results == {"first": b"weights", "second": b"weights"} and listings == ["first"]
+
+
 class _CreatesAFile:
     def __init__(self, path: Path):
         self.path = path
