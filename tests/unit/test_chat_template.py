@@ -10,9 +10,14 @@ import pytest
 from tests.conftest import REPO, TOKENIZER
 from torchtitan.data import build_tokenizer
 from torchtitan.data.chat_template import (
+    _PLACEMENT_TRIES_BASE,
+    _PLACEMENT_TRIES_PER_CONTENT,
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
+    _located_spans,
+    _place_contents,
+    _prefix_spans,
     assistant_token_mask,
 )
 
@@ -177,6 +182,8 @@ def test_template_without_markers_trains_what_generation_blocks_around_each_turn
             expected = reference(hf_reference, MARKED_TEMPLATE, messages, add_generation_prompt)
             ids, mask = assistant_token_mask(tokenizer, plain, messages, add_generation_prompt=add_generation_prompt)
             assert (ids, mask) == expected, (name, messages)  # the two templates render the same text
+            variables = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+            assert nests_and_agrees(plain, messages, variables, tokenizer.special_tokens, add_generation_prompt)
 
     tokenizer, eos = tokenizers["tokenizer.json"], "<|end_of_text|>"
     by_hand = [
@@ -195,10 +202,11 @@ def test_template_without_markers_trains_what_generation_blocks_around_each_turn
 # Special tokens of the published templates under test, added to our vocabulary (ids from 2048) in both formats;
 # the tags Qwen3 writes as text are added tokens not marked special, as in its tokenizer.
 EXTRA_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-                 "<s>", "</s>", "[INST]", "[/INST]"]
-EXTRA_PLAIN = ["<think>", "</think>"]
+                 "<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+EXTRA_PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 MODEL_TOKENS = {"qwen3.jinja": (None, "<|im_end|>"), "phi3.jinja": ("<s>", "<|endoftext|>"),
-                "mistral_style.jinja": ("<s>", "</s>")}  # (bos, eos) of each template's model
+                "mistral_style.jinja": ("<s>", "</s>"), "qwen2_5_style.jinja": (None, "<|im_end|>"),
+                "llama3_1_style.jinja": ("<|begin_of_text|>", "<|eot_id|>")}  # (bos, eos) of each template's model
 
 
 @pytest.fixture(scope="module")
@@ -226,16 +234,14 @@ def model_tokenizers(tmp_path_factory):
     return built
 
 
-def prefix_renders_nest(template, messages, variables):
-    """Whether each assistant message's prefix renders (without, then with it) extend one another and the whole."""
-    whole, _ = template.render(messages, **variables)
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            before, _ = template.render(messages[:i], add_generation_prompt=True, **variables)
-            through, _ = template.render(messages[:i + 1], **variables)
-            if not (through.startswith(before) and whole.startswith(through)):
-                return False
-    return True
+def nests_and_agrees(template, messages, variables, special_tokens, add_generation_prompt=False):
+    """Whether the conversation's prefix renders nest; where they do, locating its turns in the whole rendering must
+    find the spans they give (the two methods train the same text)."""
+    text, _ = template.render(messages, add_generation_prompt, **variables)
+    spans = _prefix_spans(template, messages, text, variables, special_tokens)
+    if spans is not None:
+        assert _located_spans(template, messages, text, add_generation_prompt, variables, special_tokens) == spans
+    return spans is not None
 
 
 def user(text):
@@ -288,6 +294,7 @@ def test_published_templates_train_each_turn_of_multi_turn_conversations(model_t
     ours, theirs, source = model_tokenizers[name]
     for tokenizer in ours:  # tags the model writes as text are not special: an end of turn is
         assert "<|im_end|>" in tokenizer.special_tokens and not {"<think>", "</think>"} & tokenizer.special_tokens
+        assert tokenizer.special_tokens is tokenizer.special_tokens  # read once, not per conversation
     template = ChatTemplate(source)
     assert not template.has_generation_markers
     nested = []
@@ -297,9 +304,92 @@ def test_published_templates_train_each_turn_of_multi_turn_conversations(model_t
             ids, mask = assistant_token_mask(tokenizer, template, messages)
             assert ids == expected_ids
             assert runs(ids, mask, tokenizer) == trained, (type(tokenizer).__name__, messages)
-        nested.append(prefix_renders_nest(template, messages, {"bos_token": theirs.bos_token or "",
-                                                               "eos_token": theirs.eos_token}))
-    assert not all(nested)  # the cases the prefix-render method refused
+        nested.append(nests_and_agrees(template, messages, {"bos_token": theirs.bos_token or "",
+                                                            "eos_token": theirs.eos_token}, ours[0].special_tokens))
+    assert not all(nested)  # cases that only locating in the whole rendering trains
+
+
+def tool(text):
+    return {"role": "tool", "content": text}
+
+
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = '{"city": "Paris",\n "temp": 21}'  # a tool result with JSON and a newline (Llama's tojson escapes both)
+PARTS = [{"type": "text", "text": "Bonjour"}, {"type": "text", "text": " !"}]
+
+
+def calls_weather(**content):
+    """An assistant turn calling a tool, with content "" or none."""
+    return {"role": "assistant", "tool_calls": [WEATHER_CALL], **content}
+
+
+# Conversations shaped as tool-using and multimodal data is (tool calls with empty or no content, list-of-parts
+# content, tool results the template escapes, reasoning inside a single turn's content), and the text each trains.
+SHAPE_CASES = {
+    "qwen2_5_style.jinja": [
+        ([user("Weather in Paris?"), calls_weather(content=""), tool(WEATHER), assistant("21 °C, sunny ☀")],
+         [QWEN_CALL + "<|im_end|>", "21 °C, sunny ☀<|im_end|>"]),
+        ([user("Weather in Paris?"), calls_weather(), tool(WEATHER), assistant("21 °C.")],
+         [QWEN_CALL + "<|im_end|>", "21 °C.<|im_end|>"]),
+        ([{"role": "system", "content": [{"type": "text", "text": "Be polite."}]}, user("Say hi in French."),
+          {"role": "assistant", "content": PARTS}, user("Merci"), assistant("De rien.")],
+         ["Bonjour !<|im_end|>", "De rien.<|im_end|>"]),
+    ],
+    "qwen3.jinja": [
+        ([user("Weather in Paris?"), calls_weather(content=""), tool(WEATHER), assistant("21 °C.")],
+         [QWEN_CALL + "<|im_end|>", THINK.format("") + "21 °C.<|im_end|>"]),
+        ([user("Weather in Paris?"), calls_weather(), tool(WEATHER), assistant("21 °C.", reasoning_content="Read it.")],
+         [QWEN_CALL + "<|im_end|>", THINK.format("Read it.") + "21 °C.<|im_end|>"]),
+        # Reasoning written inside the content of a single turn (R1-distill data): Qwen3 takes it out.
+        ([user("What is 17 * 3?"), assistant("<think>\n17 * 3 = 51.\n</think>\n\n51")],
+         [THINK.format("17 * 3 = 51.") + "51<|im_end|>"]),
+        # Qwen3 renders content that is not a string as empty: the turn it writes is trained all the same.
+        ([user("Hi"), {"role": "assistant", "content": PARTS}, user("Again?"), assistant("Bonjour !")],
+         ["<|im_end|>", THINK.format("") + "Bonjour !<|im_end|>"]),
+    ],
+    "llama3_1_style.jinja": [
+        ([{"role": "system", "content": "Use tools."}, user("Weather in Paris?"), calls_weather(), tool(WEATHER),
+          assistant("It is 21 °C.")],
+         ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is 21 °C.<|eot_id|>"]),
+        ([user("Weather?"), calls_weather(content=""), tool("line 1\nline \"2\""), assistant("  Two lines.\n")],
+         ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "Two lines.<|eot_id|>"]),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", SHAPE_CASES)
+def test_tool_calls_list_content_escaped_tool_results_and_inline_reasoning_train(model_tokenizers, name):
+    ours, theirs, source = model_tokenizers[name]
+    template = ChatTemplate(source)
+    variables = {"bos_token": theirs.bos_token or "", "eos_token": theirs.eos_token}
+    for messages, trained in SHAPE_CASES[name]:
+        expected_ids = list(theirs.apply_chat_template(messages, chat_template=source, return_dict=True)["input_ids"])
+        for tokenizer in ours:
+            ids, mask = assistant_token_mask(tokenizer, template, messages)
+            assert ids == expected_ids
+            assert runs(ids, mask, tokenizer) == trained, (type(tokenizer).__name__, messages)
+        # Reasoning taken out of a content only the prefix renders can follow.
+        if not any("</think>" in str(m.get("content")) for m in messages):
+            nests_and_agrees(template, messages, variables, ours[0].special_tokens)
+
+
+def test_placing_contents_is_bounded_in_tries_and_takes_one_per_verbatim_content():
+    tried = []
+
+    class Counted(str):  # counts the candidate readings tested
+        def __contains__(self, part):
+            tried.append(part)
+            return str.__contains__(self, part)
+
+    # Each content can be read as any run of a's and none fits the end, so readings multiply without a bound.
+    values = [Counted("a" * 30)] * 12
+    assert _place_contents("<" + "a" * 200 + ">", ["<"] + [""] * 11 + [">!"], values) is None
+    assert 0 < len(tried) <= _PLACEMENT_TRIES_BASE + _PLACEMENT_TRIES_PER_CONTENT * len(values)
+    tried.clear()
+    values = [Counted("hello |"), Counted("world")]
+    assert _place_contents("<hello ||world>", ["<", "|", ">"], values) == [(1, 8), (9, 14)]
+    assert tried == ["hello |", "world"]
 
 
 REASONING_CASES = [  # an assistant message's reasoning fields -> (thinking, reasoning_content) templates see
@@ -405,15 +495,21 @@ def test_errors_are_one_line_chat_template_errors(tokenizers):
     ids, mask = assistant_token_mask(tokenizer, ChatTemplate(trailing), messages)
     assert runs(ids, mask, tokenizer) == [" b"]  # the token " b" overlaps the span "b": it is marked
 
-    # What cannot be located is refused in one line.
+    # What cannot be located is refused in one line: reasoning written inside a content where the renders do not
+    # nest (Qwen3 takes it out of the last turn only), content rendered twice, a turn without text content whose
+    # start or end cannot be told.
     qwen3 = ChatTemplate((TEMPLATES / "qwen3.jinja").read_text())
-    twice = ChatTemplate("{% for m in messages %}{{ m['content'] }}|{{ m['content'] }}\n{% endfor %}")
+    twice = ChatTemplate(trailing.replace("m['content'] ~", "m['content'] ~ '|' ~ m['content'] ~"))
+    mistral = ChatTemplate((TEMPLATES / "mistral_style.jinja").read_text())
     unlocatable = [
-        (qwen3, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}],
-         "cannot locate the assistant's text: .* reasoning written inside the content"),
-        (twice, messages, "message 1 \\(assistant\\): cannot locate its text: it has its content rendered 2 times"),
-        (ChatTemplate(PLAIN_TEMPLATE), [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
-         "message 1 \\(assistant\\): cannot locate its text: it has no text content"),
+        (qwen3, [user("q"), assistant("a"), user("r"), assistant("<think>r</think>b")],
+         "cannot locate the assistant's text: .* reasoning written inside a content that the template moves out"),
+        (twice, messages, "message 1 \\(assistant\\): cannot locate its text: the chat template renders its content 2"),
+        (ChatTemplate(trailing), [user("q"), {"role": "assistant", "content": None}, user("r")],
+         "message 1 \\(assistant\\): cannot locate its turn: it has no text content, and no special token ends"),
+        (mistral, [{"role": "system", "content": "s"}, user("q"), assistant("")],
+         ("message 2 \\(assistant\\): cannot locate its turn: it has no text content, and the conversation before "
+          "it renders differently on its own")),
     ]
     for template, conversation, message in unlocatable:
         with pytest.raises(ChatTemplateError, match=message) as error:

@@ -172,9 +172,11 @@ def test_errors_name_the_file_and_its_own_row(tokenizer, tmp_path):
     (folder / "b.jsonl").write_text("")
     assert data_error(tokenizer, folder) == f"{folder / 'b.jsonl'}: the file is empty (no rows)"
     # A conversation whose assistant text cannot be located (a template without generation blocks that
-    # rewrites the content: Qwen3 taking reasoning out of it).
+    # rewrites the content and renders earlier turns differently later: Qwen3 taking reasoning out of the last
+    # turn of a multi-turn conversation).
     qwen3 = ChatTemplate((REPO / "tests" / "data" / "chat_templates" / "qwen3.jinja").read_text())
-    inline_reasoning = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}]
+    inline_reasoning = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                        {"role": "user", "content": "r"}, {"role": "assistant", "content": "<think>r</think>b"}]
     unlocatable = chat_file(tmp_path / "think.jsonl", [good[0], inline_reasoning])
     dataset = PackedChatDataset(load_documents("x", str(unlocatable), "train", "messages", "chat"), tokenizer,
                                 seq_len=256, template=qwen3)

@@ -9,9 +9,11 @@ so the same text and ids), and builds the assistant mask the way its ``return_as
 does, so data prepared here matches what the model's own tooling produces.
 
 The mask comes from ``{% generation %}...{% endgeneration %}`` blocks when the template has them: each
-records the character span of the text it renders. Templates without them (most on the Hub) get spans
-located in the conversation's own rendering: each assistant message's reasoning block (if the template
-renders one), content and end of turn (see _located_spans).
+records the character span of the text it renders. Templates without them (most on the Hub) get, for each
+assistant message, the text the model writes after the generation prompt: the reasoning block the template
+renders for it (if any), its content and the end of turn. Where renders of the conversation's prefixes nest,
+they give it (_prefix_spans); where they do not, it is located in the whole conversation's rendering
+(_located_spans).
 
 Our shipped tokenizer's template (assets/tokenizer/tokenizer_config.json holds it as one line) is
 DEFAULT_CHAT_TEMPLATE below; laid out for reading (this layout's whitespace is not part of it)::
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import contextvars
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -242,13 +245,94 @@ def _template_variables(tokenizer: Tokenizer) -> dict[str, str]:
     return {name: token for name, token in names.items() if token is not None}
 
 
-# Stands in for a message's content in the locating render (see _located_spans). Capital letters and digits
-# only, so that what templates do to content (strip it, split it at a tag, test its prefix) leaves it whole.
+@functools.lru_cache(maxsize=16)
+def _end_of_turn_pattern(special_tokens: frozenset[str]) -> re.Pattern | None:
+    # One search for all special tokens; the longest first, so that where two start at one place the longer wins.
+    if not special_tokens:
+        return None
+    return re.compile("|".join(re.escape(token) for token in sorted(special_tokens, key=len, reverse=True)))
+
+
+def _end_of_turn_length(after: str, special_tokens: frozenset[str]) -> int:
+    """How much of the template text after an assistant content is trained: through its first special
+    token (the end of turn, e.g. <|im_end|>, after any tool calls the template writes), else none."""
+    pattern = _end_of_turn_pattern(special_tokens)
+    found = pattern.search(after) if pattern is not None else None
+    return 0 if found is None else found.end()
+
+
+def _has_text(message: dict) -> bool:
+    # Assistant contents that a marker stands in for. Not an empty one: templates test content for truth
+    # (Qwen2.5 and Qwen3 write a newline before tool calls only after content), so a marker renders differently.
+    return message.get("role") == "assistant" and isinstance(message.get("content"), str) and message["content"] != ""
+
+
+# Stands in for an assistant's content in the marked renders (see _prefix_spans, _located_spans). Capital
+# letters and digits only, so that what templates do to content (strip it, split it at a tag, test its
+# prefix) leaves it whole.
 _FIELD_MARKER = "TTCHATFIELD7F3A9C"
 _MARKER_PATTERN = re.compile(_FIELD_MARKER + r"M(\d+)Z")
-# Readings of the real render tried before a conversation is refused (see _place_contents); real
-# conversations need one per message.
-_PLACEMENT_BUDGET = 100_000
+
+
+def _with_marker(message: dict, i: int) -> dict:
+    return {**message, "content": f"{_FIELD_MARKER}M{i}Z"}
+
+
+def _prefix_spans(template: ChatTemplate, messages: Messages, text: str, variables: dict,
+                  special_tokens: frozenset[str]) -> list[tuple[int, int]] | None:
+    """Assistant spans from renders of the conversation's prefixes; None where those do not nest.
+
+    The conversation up to an assistant message, rendered with the generation prompt, is what the model
+    sees before it writes that message; rendering one message more appends its turn. That holds when each
+    render is a prefix of the next and of ``text`` (the whole conversation's), which is checked; templates
+    that render an earlier turn differently once the conversation goes on (Qwen3 drops old reasoning) fail
+    it and are located instead (_located_spans). Nothing is matched, so this takes a turn however the
+    template writes it: reasoning taken out of the content, tool calls, list-of-parts content.
+
+    A turn is trained from the prompt's end (a reasoning block written there included) through its content
+    and the end of turn after it (see _end_of_turn_length), as _located_spans trains it: where the content
+    ends comes from rendering the prefix once more with the content replaced by a marker. A turn without
+    text content is trained through its first special token; one that cannot be cut so, whole.
+    """
+    turns = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        try:  # a template may refuse a prefix (e.g. one without a user message yet): then locate instead
+            before, _ = template.render(messages[:i], add_generation_prompt=True, **variables)
+            through, _ = template.render(messages[:i + 1], **variables)
+        except ChatTemplateError:
+            return None
+        if not (through.startswith(before) and text.startswith(through)):
+            return None
+        if len(through) > len(before):
+            turns.append((i, len(before), len(through)))
+    spans = []
+    for i, start, end in turns:
+        turn = text[start:end]
+        trained = len(turn)
+        if _has_text(messages[i]):
+            marker = _with_marker(messages[i], i)
+            try:
+                marked, _ = template.render([*messages[:i], marker], **variables)
+            except ChatTemplateError:
+                marked = ""
+            at = marked.rfind(marker["content"])
+            after = marked[at + len(marker["content"]):]
+            # The text after the content must end the real turn too (it may not where the template tests the
+            # content itself); if not, the whole turn is trained.
+            if at >= 0 and len(after) <= len(turn) and turn.endswith(after):
+                trained = len(turn) - len(after) + _end_of_turn_length(after, special_tokens)
+        else:
+            trained = _end_of_turn_length(turn, special_tokens) or trained
+        spans.append((start, start + trained))
+    return spans
+
+
+# Candidate readings of the real rendering that _place_contents tests before a conversation is refused:
+# real conversations need one per content, a content holding the template's own text a few more.
+_PLACEMENT_TRIES_BASE = 1_000
+_PLACEMENT_TRIES_PER_CONTENT = 16
 
 
 def _place_contents(text: str, pieces: list[str], values: list[str]) -> list[tuple[int, int]] | None:
@@ -257,34 +341,43 @@ def _place_contents(text: str, pieces: list[str], values: list[str]) -> list[tup
     ``text`` must read pieces[0], values[0] as rendered, pieces[1], ..., pieces[-1] (one piece more than
     values). A content's rendering is taken to be a substring of it (templates strip or cut content; they
     do not rewrite it). Where that allows several readings (a content holding the template's own text), the
-    longest rendering is tried first and the next on a dead end. None if there is no reading.
+    longest rendering is tried first and the next on a dead end. None if there is no reading, or none within
+    the tries budgeted (each costs up to a content's length), which keeps a row that ends up refused cheap.
     """
     if not values:
         return [] if text == pieces[0] else None
+    tries = _PLACEMENT_TRIES_BASE + _PLACEMENT_TRIES_PER_CONTENT * len(values)
 
-    def ends(k: int, start: int) -> list[int]:
-        # Where content k can end: followed by its piece, and for the last content by nothing else.
+    def ends(k: int, start: int):
+        # Where content k can end, longest rendering first: where its piece follows, and for the last content
+        # where nothing else does. Usually the first found is the content itself (a find, no character loop).
+        nonlocal tries
         value, piece = values[k], pieces[k + 1]
         last = len(text) - len(piece)
-        first = max(start, last) if k == len(values) - 1 else start
-        return [end for end in range(first, min(start + len(value), last) + 1)
-                if text.startswith(piece, end) and text[start:end] in value]
+        high = min(start + len(value), last)
+        low = last if k == len(values) - 1 else start
+        while high >= low and tries > 0:
+            end = text.rfind(piece, low, high + len(piece))
+            if end < 0:
+                return
+            tries -= 1
+            if text[start:end] in value:
+                yield end
+            high = end - 1
 
     if not text.startswith(pieces[0]):
         return None
     chosen: list[tuple[int, int]] = []
     options = [ends(0, len(pieces[0]))]
-    for _ in range(_PLACEMENT_BUDGET):
-        if not options:
-            return None
+    while options and tries > 0:
         k = len(options) - 1
-        if not options[k]:  # a dead end: take back the choice that led here
+        end = next(options[k], None)
+        if end is None:  # a dead end: take back the choice that led here
             options.pop()
             if chosen:
                 chosen.pop()
             continue
         start = len(pieces[0]) if k == 0 else chosen[-1][1] + len(pieces[k])
-        end = options[k].pop()
         chosen.append((start, end))
         if k + 1 == len(values):
             return chosen
@@ -292,62 +385,38 @@ def _place_contents(text: str, pieces: list[str], values: list[str]) -> list[tup
     return None
 
 
-def _turn_start(template: ChatTemplate, marked: list, i: int, located: str, markers: list[re.Match],
-                k: int, variables: dict) -> int:
-    """Where assistant message i's trained text begins in the locating render (its content is markers[k]).
-
-    After the generation prompt: the conversation before message i, rendered with the prompt, must read
-    like this render from the previous marker on up to the prompt's end; the rest, up to the content, is
-    what the template writes for the model there (a reasoning block, an empty one) and is trained. The
-    content's own start when there is no prompt (a header cannot be told from the text before it) or the
-    two differ.
-    """
-    content_start = markers[k].start()
-    try:
-        prompt, _ = template.render(marked[:i], add_generation_prompt=True, **variables)
-        if prompt == template.render(marked[:i], add_generation_prompt=False, **variables)[0]:
-            return content_start
-    except ChatTemplateError:
-        return content_start
+def _aligned_end(prompt: str, located: str, markers: list[re.Match], previous: int) -> int | None:
+    """Where ``prompt`` (the conversation before an assistant turn, rendered on its own) ends in the locating
+    render: it must read like it from the marker before the turn (markers[previous], or the start) on. None
+    where it does not (what precedes the turn is rendered differently once the conversation goes on)."""
     begin, tail = 0, prompt
-    if k > 0:  # align on the previous marker: what comes before it may be rendered differently in a prefix
-        previous = markers[k - 1]
-        same = [m for m in _MARKER_PATTERN.finditer(prompt) if m.group(0) == previous.group(0)]
+    if previous >= 0:  # align on the previous marker: what comes before it may be rendered differently in a prefix
+        same = [m for m in _MARKER_PATTERN.finditer(prompt) if m.group(0) == markers[previous].group(0)]
         if len(same) != 1:
-            return content_start
-        begin, tail = previous.end(), prompt[same[0].end():]
-    return begin + len(tail) if located.startswith(tail, begin) and begin + len(tail) <= content_start \
-        else content_start
-
-
-def _end_of_turn_length(after: str, special_tokens: frozenset[str]) -> int:
-    """How much of the template text after an assistant content is trained: through its first special
-    token (the end of turn, e.g. <|im_end|>, after any tool calls the template writes), else none."""
-    first = None
-    for token in special_tokens:
-        at = after.find(token)
-        if at >= 0 and (first is None or (at, -len(token)) < (first[0], -first[1])):
-            first = (at, len(token))
-    return 0 if first is None else first[0] + first[1]
+            return None
+        begin, tail = markers[previous].end(), prompt[same[0].end():]
+    return begin + len(tail) if located.startswith(tail, begin) else None
 
 
 def _located_spans(template: ChatTemplate, messages: Messages, text: str, add_generation_prompt: bool,
                    variables: dict, special_tokens: frozenset[str]) -> list[tuple[int, int]]:
     """Assistant spans of a template without generation blocks, found in the conversation's own rendering.
 
-    The conversation is rendered once more with each message's content replaced by a marker (the locating
-    render); the markers show where each content sits, and the template's text around them is matched
-    onto ``text``, the real rendering. An assistant message's span runs from the end of its header (see
-    _turn_start), so it takes the reasoning block the template renders for it, through its content and
-    the end of turn after it (see _end_of_turn_length). Only the whole conversation is rendered, so
-    templates that render earlier turns differently once the conversation goes on (Qwen3 drops old
-    reasoning, Phi-3 ends with EOS unless prompted) are located like any other.
+    The conversation is rendered once more with each assistant's text content replaced by a marker (the
+    locating render); the markers show where each content sits, and the template's text around them (the
+    other messages' contents included, verbatim) is matched onto ``text``, the real rendering. An assistant
+    message's span runs from the end of the generation prompt before it (see _aligned_end), so it takes the
+    reasoning block the template renders for it, through its content and the end of turn after it (see
+    _end_of_turn_length). A message with empty or no text content has no marker: its span runs from the
+    prompt's end through the first special token before the next marker. Only the whole conversation and
+    the parts before each assistant turn are rendered, so templates that render earlier turns differently
+    once the conversation goes on (Qwen3 drops old reasoning, Phi-3 ends with EOS unless prompted) are
+    located like any other.
     """
     if _FIELD_MARKER in text:
         raise ChatTemplateError(f"cannot locate the assistant's text: the conversation contains {_FIELD_MARKER!r}, "
                                 "the marker used to find it")
-    marked = [{**message, "content": f"{_FIELD_MARKER}M{i}Z"} if isinstance(message.get("content"), str)
-              else message for i, message in enumerate(messages)]
+    marked = [_with_marker(message, i) if _has_text(message) else message for i, message in enumerate(messages)]
     located, _ = template.render(marked, add_generation_prompt, **variables)
     markers = list(_MARKER_PATTERN.finditer(located))
     owners = [int(m.group(1)) for m in markers]
@@ -357,8 +426,9 @@ def _located_spans(template: ChatTemplate, messages: Messages, text: str, add_ge
     if places is None:
         raise ChatTemplateError(
             "cannot locate the assistant's text: the chat template (no {% generation %} blocks) renders this "
-            "conversation differently once its contents are replaced by markers, or rewrites a content (e.g. "
-            "reasoning written inside the content; give it as reasoning_content instead)")
+            "conversation differently once the assistant's contents are replaced by markers, or rewrites a "
+            "content (e.g. reasoning written inside a content that the template moves out of it in a multi-turn "
+            "conversation; give it as reasoning_content)")
     marker_ends = [m.end() for m in markers]
 
     def in_text(position: int) -> int:
@@ -366,20 +436,48 @@ def _located_spans(template: ChatTemplate, messages: Messages, text: str, add_ge
         k = bisect.bisect_right(marker_ends, position) - 1
         return position if k < 0 else places[k][1] + position - marker_ends[k]
 
+    has_prompt = None  # whether the template writes a generation prompt: asked at the first assistant turn only
+
+    def prompt_end(i: int, previous: int) -> int | None:
+        # Where the model takes over before message i: the end of the conversation before it, rendered with the
+        # generation prompt (the same text without one where the template has none).
+        nonlocal has_prompt
+        try:
+            prompt, _ = template.render(marked[:i], add_generation_prompt=True, **variables)
+            if has_prompt is None:
+                has_prompt = prompt != template.render(marked[:i], add_generation_prompt=False, **variables)[0]
+        except ChatTemplateError:
+            return None
+        return _aligned_end(prompt, located, markers, previous)
+
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        mine = [k for k, owner in enumerate(owners) if owner == i]
-        if not isinstance(message.get("content"), str) or len(mine) != 1:
-            problem = ("has no text content" if not isinstance(message.get("content"), str) else
-                       f"has its content rendered {len(mine)} times by the chat template")
-            raise ChatTemplateError(f"message {i} (assistant): cannot locate its text: it {problem}, and the "
-                                    "template has no {% generation %} blocks to mark it")
-        k = mine[0]
-        start = _turn_start(template, marked, i, located, markers, k, variables)
-        after_end = markers[k + 1].start() if k + 1 < len(markers) else len(located)
-        end = markers[k].end() + _end_of_turn_length(located[markers[k].end():after_end], special_tokens)
+        if _has_text(message):
+            mine = [k for k, owner in enumerate(owners) if owner == i]
+            if len(mine) != 1:
+                raise ChatTemplateError(f"message {i} (assistant): cannot locate its text: the chat template renders "
+                                        f"its content {len(mine)} times and has no {{% generation %}} blocks to mark it")
+            k = mine[0]
+            start = prompt_end(i, k - 1)
+            # No prompt: a header cannot be told from the text before it, so the content starts the span.
+            if start is None or not has_prompt or start > markers[k].start():
+                start = markers[k].start()
+            after_end = markers[k + 1].start() if k + 1 < len(markers) else len(located)
+            end = markers[k].end() + _end_of_turn_length(located[markers[k].end():after_end], special_tokens)
+        else:
+            previous = sum(owner < i for owner in owners) - 1
+            limit = markers[previous + 1].start() if previous + 1 < len(markers) else len(located)
+            start = prompt_end(i, previous)
+            if start is None or any(owner >= i for owner in owners[:previous + 1]) or start > limit:
+                raise ChatTemplateError(f"message {i} (assistant): cannot locate its turn: it has no text content, "
+                                        "and the conversation before it renders differently on its own")
+            length = _end_of_turn_length(located[start:limit], special_tokens)
+            if length == 0:
+                raise ChatTemplateError(f"message {i} (assistant): cannot locate its turn: it has no text content, "
+                                        "and no special token ends its turn")
+            end = start + length
         spans.append((in_text(start), in_text(end)))
     return sorted(spans)
 
@@ -396,14 +494,18 @@ def assistant_token_mask(tokenizer: Tokenizer, template: ChatTemplate, messages:
     """Token ids of the rendered conversation and a 0/1 mask that is 1 on the assistant's tokens.
 
     With generation blocks the mask equals transformers' ``apply_chat_template(...,
-    return_assistant_tokens_mask=True)``. Without them each assistant message's span is located in the
-    rendering itself (see _located_spans), and the mask equals transformers' for the same template with
-    generation blocks written around those spans. Training data leaves add_generation_prompt off; it is
+    return_assistant_tokens_mask=True)``. Without them each assistant message's span comes from prefix
+    renders, or where those do not nest is located in the rendering itself (see _prefix_spans,
+    _located_spans), and the mask equals transformers' for the same template with generation blocks written
+    around those spans. Training data leaves add_generation_prompt off; it is
     for prompts that end where the model takes over.
     """
     variables = _template_variables(tokenizer)
     text, spans = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
     if not template.has_generation_markers:
-        spans = _located_spans(template, messages, text, add_generation_prompt, variables, tokenizer.special_tokens)
+        special_tokens = tokenizer.special_tokens
+        spans = _prefix_spans(template, messages, text, variables, special_tokens)
+        if spans is None:
+            spans = _located_spans(template, messages, text, add_generation_prompt, variables, special_tokens)
     ids, offsets = tokenizer.encode_chat(text)
     return ids, _mark_spans(offsets, spans)

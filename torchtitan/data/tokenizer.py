@@ -186,6 +186,10 @@ class HFTokenizer(Tokenizer):
         # around each call would race with other threads, so encode_chat gets its own copy (made on
         # first use: most runs never call it).
         self._chat_tokenizer: tokenizers.Tokenizer | None = None
+        # Read once: chat data asks for it every conversation. Added tokens not marked special (e.g. Qwen3's
+        # <think>, <tool_call>) are text the model writes.
+        self._special_tokens = frozenset(
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         super().__init__(tokenizer.get_vocab(with_added_tokens=True), bos_token, eos_token, pad_token, chat_template)
 
     def __setstate__(self, state: dict) -> None:
@@ -215,8 +219,7 @@ class HFTokenizer(Tokenizer):
 
     @property
     def special_tokens(self) -> frozenset[str]:
-        # Added tokens not marked special (e.g. Qwen3's <think>, <tool_call>) are text the model writes.
-        return frozenset(t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special)
+        return self._special_tokens
 
     @property
     def vocab_size(self) -> int:
