@@ -2,10 +2,13 @@
 file and tensor, no traceback, and nothing that existed before written over or removed."""
 
 import dataclasses
+import io
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +20,12 @@ from tests.bad_input import assert_one_line_error, snapshot
 from tests.unit.test_checkpoint_storage import FakeLoader
 from torchtitan import train
 from torchtitan.components.checkpoint import CheckpointManager, ModelState, TrainState
-from torchtitan.components.checkpoint_storage import CheckpointError, open_storage, verify_checkpoint
+from torchtitan.components.checkpoint_storage import (
+    CheckpointError,
+    SafeLoadPlanner,
+    open_storage,
+    verify_checkpoint,
+)
 from torchtitan.components.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizer import build_optimizer
@@ -406,3 +414,10 @@ def test_a_crafted_bytes_entry_is_refused_naming_it_and_runs_nothing(tmp_path, d
                           f"cannot load checkpoint {crafted}: refusing the entry model.output.weight: it names "
                           "io.open", unchanged=before)
     assert not victim.exists() and not (tmp_path / "out").exists()
+    # Bytes that are not a pickle the weights-only unpickler reads: its reason, not its advice on loading anyway.
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.w.lr"))
+    for data, message in ((b"garbage", "refusing the entry optimizer.param_groups.w.lr: Unsupported operand 103; "
+                                       "an entry is loaded only when it holds plain values"),
+                          (b"", "cannot read the entry optimizer.param_groups.w.lr: EOFError")):
+        with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
+            SafeLoadPlanner().load_bytes(item, io.BytesIO(data))

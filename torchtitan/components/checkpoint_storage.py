@@ -145,6 +145,16 @@ def _safe_fsspec_reader() -> type:
 
 
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)")
+_WEIGHTS_ONLY_DETAIL = "WeightsUnpickler error:"
+
+
+def _weights_only_reason(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, out of its message (a paragraph on how to load it anyway)."""
+    text = str(error)
+    if found := _UNSUPPORTED_GLOBAL.search(text):
+        return f"it names {found.group(1)}"
+    detail = text.split(_WEIGHTS_ONLY_DETAIL, 1)[1].strip().splitlines() if _WEIGHTS_ONLY_DETAIL in text else []
+    return detail[0] if detail else one_line(error)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -157,11 +167,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            # torch's message is a paragraph on how to load it anyway; the class it names is what matters here.
-            found = _UNSUPPORTED_GLOBAL.search(str(e))
-            reason = f"it names {found.group(1)}" if found else one_line(e).split("WeightsUnpickler error: ")[-1]
-            raise CheckpointError(f"refusing the entry {name}: {reason}; an entry is loaded only when it holds "
-                                  "plain values (numbers, strings, tuples, tensors)") from None
+            raise CheckpointError(f"refusing the entry {name}: {_weights_only_reason(e)}; an entry is loaded only "
+                                  "when it holds plain values (numbers, strings, tuples, tensors)") from None
         except Exception as e:  # truncated or not a pickle
             raise CheckpointError(f"cannot read the entry {name}: {one_line(e)}") from None
         # Placed where DCP's own load_bytes places it.
