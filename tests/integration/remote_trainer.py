@@ -5,7 +5,8 @@
 - ``unreachable://``: every call fails as a store would with no network.
 
 Several runs may share one process (``memory://`` lives as long as the process): separate them with ``--then``.
-A segment ``rm URL`` deletes that object instead of training (e.g. a completion marker); ``steps URL`` prints
+A segment ``rm URL`` deletes that object instead of training (e.g. a completion marker), ``touch URL`` writes an
+empty one (e.g. the in-progress marker a save cut short leaves); ``steps URL`` prints
 ``steps: [...]``, the complete checkpoints there. Exits with the first non-zero status.
 """
 
@@ -70,6 +71,10 @@ def run(argv: list[str]) -> int:
         if segment[:1] == ["rm"]:
             fs, path = fsspec.core.url_to_fs(segment[1])
             fs.rm(path)
+            continue
+        if segment[:1] == ["touch"]:
+            fs, path = fsspec.core.url_to_fs(segment[1])
+            fs.pipe_file(path, b"")
             continue
         if segment[:1] == ["steps"]:
             print(f"steps: {complete_steps(segment[1])}", flush=True)

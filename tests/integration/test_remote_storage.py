@@ -37,16 +37,16 @@ def local_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_url_checkpoints_save_prune_and_resume_with_the_local_losses(tmp_path, local_run, scheme):
-    """Per async mode, in one process (memory:// lives as long as it): train 8 steps, drop step 8's completion
-    marker (a save cut short), relaunch: it resumes from step 6, the newer step never counts, and steps 7-8
-    repeat the local run's losses bitwise."""
+    """Per async mode, in one process (memory:// lives as long as it): train 8 steps, make step 8 a save cut short
+    (its completion marker gone, its in-progress marker there), relaunch: it resumes from step 6, the newer step
+    never counts (it is removed and written again), and steps 7-8 repeat the local run's losses bitwise."""
     args = []
     for mode in ("disabled", "async"):
         url = f"memory://bucket/{mode}" if scheme == "memory" else (tmp_path / "store" / mode).as_uri()
         run = [*FLAGS, "--checkpoint.folder", url, "--checkpoint.async_mode", mode,
                f"--job.dump_folder={tmp_path / mode}"]
         args += [*run, "--then", "steps", url, "--then", "rm", f"{url}/step-8/.complete", "--then",
-                 "steps", url, "--then", *run, "--then", "steps", url, "--then"]
+                 "touch", f"{url}/step-8/.in-progress", "--then", "steps", url, "--then", *run, "--then", "steps", url, "--then"]
     result = run_command([sys.executable, "-m", RUNNER, *args[:-1]])
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

@@ -17,8 +17,9 @@ def inject(trainer, nonfinite=(), spikes=()):
     """Make chosen steps bad: an infinite embedding gradient (its norm is then inf/NaN), or the loss x 100."""
     embedding = trainer.model_parts[0].tok_embeddings.weight
     embedding.register_hook(lambda g: g * float("inf") if trainer.step + 1 in nonfinite else g)
-    loss_fn = trainer.loss_fn
-    trainer.loss_fn = lambda logits, labels, n: loss_fn(logits, labels, n) * (100.0 if trainer.step + 1 in spikes
+    # The objective scores every step (components/objective.py): its loss function is where a spike goes in.
+    loss_fn = trainer.objective.loss_fn
+    trainer.objective.loss_fn = lambda logits, labels, n: loss_fn(logits, labels, n) * (100.0 if trainer.step + 1 in spikes
                                                                                  else 1.0)
 
 
@@ -84,14 +85,14 @@ def test_resume_after_a_skip_is_exact(tmp_path):
     straight.close()
     first = make_trainer(tmp_path / "resumed", *flags)
     inject(first, nonfinite={4}, spikes={7})
-    loss_fn = first.loss_fn
+    loss_fn = first.objective.loss_fn
 
     def crash_at_step_6(*args):
         if first.step + 1 == 6:
             raise RuntimeError("crash")
         return loss_fn(*args)
 
-    first.loss_fn = crash_at_step_6
+    first.objective.loss_fn = crash_at_step_6
     with pytest.raises(RuntimeError, match="crash"):
         first.train()
     first.close()

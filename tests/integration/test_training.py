@@ -76,7 +76,7 @@ def test_tiny_model_learns_and_logs_every_step(tmp_path):
 
 def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     trainer = make_trainer(tmp_path, "--training.steps", "5")
-    original = trainer.loss_fn
+    original = trainer.objective.loss_fn
     calls = {"n": 0}
 
     def poisoned(logits, labels, tokens):
@@ -84,7 +84,7 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
         loss = original(logits, labels, tokens)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    trainer.loss_fn = poisoned
+    trainer.objective.loss_fn = poisoned
     with pytest.raises(TrainingError, match=r"non-finite loss and grad_norm at step 3 \(loss nan"):
         trainer.train()
 
