@@ -61,7 +61,8 @@ def evaluate(
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
     # Validator checks nothing about `enable`; it reads the split the [validation] section names.
     validation = dataclasses.replace(cfg.validation, enable=True)
-    validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=(spec.build_loss_fn or build_cross_entropy_loss)(),
+    loss_fn = (spec.build_loss_fn or build_cross_entropy_loss)()
+    validator = Validator(validation, tokenizer, dp_rank=0, dp_world_size=1, loss_fn=loss_fn,
                           device=device, autocast=compute_autocast(cfg.training, device),
                           model_inputs=DocumentMasking.from_config(cfg.model, cfg.training).model_inputs,
                           chat=cfg.training.chat)

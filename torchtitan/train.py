@@ -158,7 +158,8 @@ class Trainer:
         self.expert_loads = None
         if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
             # Tokens one forward routes on this rank: a pipeline micro-batch under PP, else the local batch.
-            sequences = cfg.parallelism.pipeline_parallel_microbatch_size if self.pipeline else training.local_batch_size
+            sequences = (cfg.parallelism.pipeline_parallel_microbatch_size if self.pipeline
+                         else training.local_batch_size)
             self.expert_loads = ExpertLoadBalancer(
                 cfg.moe, self.model_parts, self.model_args, self.parallel_dims, global_sequences=global_batch,
                 local_tokens=sequences * training.seq_len // self.parallel_dims.cp,

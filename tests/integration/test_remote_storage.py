@@ -46,7 +46,8 @@ def test_url_checkpoints_save_prune_and_resume_with_the_local_losses(tmp_path, l
         run = [*FLAGS, "--checkpoint.folder", url, "--checkpoint.async_mode", mode,
                f"--job.dump_folder={tmp_path / mode}"]
         args += [*run, "--then", "steps", url, "--then", "rm", f"{url}/step-8/.complete", "--then",
-                 "touch", f"{url}/step-8/.in-progress", "--then", "steps", url, "--then", *run, "--then", "steps", url, "--then"]
+                 "touch", f"{url}/step-8/.in-progress", "--then", "steps", url, "--then", *run, "--then", "steps", url,
+                 "--then"]
     result = run_command([sys.executable, "-m", RUNNER, *args[:-1]])
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

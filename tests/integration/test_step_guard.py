@@ -19,8 +19,8 @@ def inject(trainer, nonfinite=(), spikes=()):
     embedding.register_hook(lambda g: g * float("inf") if trainer.step + 1 in nonfinite else g)
     # The objective scores every step (components/objective.py): its loss function is where a spike goes in.
     loss_fn = trainer.objective.loss_fn
-    trainer.objective.loss_fn = lambda logits, labels, n: loss_fn(logits, labels, n) * (100.0 if trainer.step + 1 in spikes
-                                                                                 else 1.0)
+    trainer.objective.loss_fn = lambda logits, labels, n: (
+        loss_fn(logits, labels, n) * (100.0 if trainer.step + 1 in spikes else 1.0))
 
 
 def rows(dump):

@@ -251,7 +251,8 @@ class ExpertLoadBalancer:
     expert loads over the data-parallel ranks, moves the routing biases, and makes the load metrics."""
 
     def __init__(self, cfg: MoEConfig, model_parts: list[nn.Module], model_args: DecoderArgs,
-                 parallel_dims: ParallelDims, global_sequences: int, local_tokens: int, compute_dtype: torch.dtype, device: torch.device):
+                 parallel_dims: ParallelDims, global_sequences: int, local_tokens: int, compute_dtype: torch.dtype,
+                 device: torch.device):
         """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums)."""
         self.cfg = cfg
         self.layers = moe_layers(model_parts)
