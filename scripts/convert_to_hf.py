@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     adapter = spec.state_dict_adapter(model.args)
     adapter.drop_expert_bias = args.drop_expert_bias or cfg.checkpoint.hf_drop_expert_bias
     if include_mtp:
-        if not getattr(model.args, "mtp_depth", 0):
+        if not model.args.mtp_depth:
             print(f"error: --include_mtp: the model of {args.config} has no multi-token prediction blocks "
                   "(model.mtp_depth)", file=sys.stderr)
             return 2

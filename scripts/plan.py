@@ -46,7 +46,8 @@ def validate(cfg: JobConfig, sources: ConfigSources, world_size: int, vocab_size
     folder = Path(cfg.model.hf_assets_path)
     has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
     try:
-        flavor_vocab = getattr(get_train_spec(cfg.model.name).flavors.get(cfg.model.flavor), "vocab_size", None)
+        flavor = get_train_spec(cfg.model.name).flavors.get(cfg.model.flavor)
+        flavor_vocab = flavor.vocab_size if flavor is not None else None
     except KeyError:
         flavor_vocab = None  # validate_config names the unknown model
     if not has_tokenizer and (flavor_vocab or vocab_size) and BUNDLED_TOKENIZER.is_dir():

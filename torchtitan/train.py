@@ -178,7 +178,7 @@ class Trainer:
 
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype(training), self.flops_per_token,
-            training.steps, run_config=config_to_dict(cfg),
+            training.steps, run_config=config_to_dict(cfg), console_extras=self.objective.metric_names,
         )
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,

@@ -2,6 +2,7 @@
 written out here, on fresh random inputs; a custom objective registered from outside the package; the config
 check of training.objective."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -15,6 +16,7 @@ from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
 from torchtitan.data.dataset import IGNORE_INDEX, Batch
 from torchtitan.inference import build_model
+from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.train import Trainer
 
 VOCAB, ROWS, SEQ = 64, 3, 12
@@ -85,6 +87,26 @@ def test_training_objective_is_checked_against_the_registry():
                                           "objective; registered: .*next_token"):
         validate_config(cfg, sources, 1)
     assert "next_token" in OBJECTIVES
+
+
+def test_the_chunked_loss_is_refused_for_an_objective_it_does_not_compute():
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", "--experimental.custom_import",
+                                "tests.z_loss_objective", "--training.objective", "next_token_z_loss",
+                                "--training.loss_chunk_size", "16"])
+    with pytest.raises(ConfigError, match="training.loss_chunk_size = 16 computes the next-token loss inside the "
+                                          "output head, which only the next_token objective uses"):
+        validate_config(cfg, sources, 1)
+
+
+def test_a_family_may_declare_args_without_defaults():
+    # The contract's fields are keyword-only, so they do not force defaults on a family's own fields.
+    @dataclasses.dataclass
+    class Args(BaseModelArgs):
+        dim: int
+        n_layers: int = 2
+
+    args = Args(64, vocab_size=100)
+    assert (args.dim, args.n_layers, args.vocab_size, args.mtp_depth) == (64, 2, 100, 0)
 
 
 def test_the_trainers_step_knows_no_objective_and_no_layout():

@@ -36,8 +36,11 @@ class MetricsLogger:
         flops_per_token: float,
         total_steps: int,
         run_config: dict | None = None,
+        console_extras: tuple[str, ...] = (),
     ):
+        """``console_extras``: row keys printed after the loss too (the objective's metrics, e.g. mtp/loss)."""
         self.cfg = cfg
+        self.console_extras = console_extras
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak_tflops = device_peak_tflops(device, compute_dtype, cfg.peak_tflops)
@@ -118,7 +121,7 @@ class MetricsLogger:
         fields = [
             ("step", f"{row['step']}", "\033[31m"),
             ("loss", f"{row['loss']:.4f}", "\033[32m"),
-            *([("mtp_loss", f"{row['mtp/loss']:.4f}", "\033[32m")] if "mtp/loss" in row else []),
+            *[(name.replace("/", "_"), f"{row[name]:.4f}", "\033[32m") for name in self.console_extras if name in row],
             ("grad_norm", f"{row['grad_norm']:.4f}", "\033[33m"),
             ("lr", f"{row['lr']:.3e}", "\033[34m"),
             ("memory", f"{row['memory_gib']:.2f} GiB", "\033[36m"),

@@ -87,7 +87,7 @@ OBJECTIVES: Registry[ObjectiveBuilder] = Registry("training objective")
 
 def _next_token(loss_fn: LossFn, model_args: BaseModelArgs, training: Training, block_causal: bool) -> NextToken:
     # A model with multi-token prediction blocks trains them alongside (model.mtp_depth).
-    if model_args.mtp_depth:
+    if model_args.builds_mtp_blocks and model_args.mtp_depth:
         return NextTokenWithMTP(loss_fn, model_args.mtp_depth, training.mtp_loss_weight, block_causal)
     return NextToken(loss_fn)
 
@@ -107,4 +107,10 @@ def config_problems(training: Training) -> list[tuple[str, str]]:
         return [("objective", f"names no registered training objective; registered: {', '.join(OBJECTIVES.names())} "
                               "(a module named in experimental.custom_import can register one in "
                               "torchtitan.components.objective.OBJECTIVES)")]
+    if training.loss_chunk_size > 0 and training.objective != "next_token":
+        # The chunked head computes next-token cross-entropy against the batch's labels itself: another
+        # objective would get a summed loss instead of logits, and its own targets would be ignored.
+        return [("loss_chunk_size", f"computes the next-token loss inside the output head, which only the "
+                                    f"next_token objective uses; set it to 0 with training.objective = "
+                                    f"{training.objective!r}")]
     return []

@@ -15,9 +15,10 @@ class BaseModelArgs:
     (models/decoder_args.py adds the shared decoder's, which parallelism and the planner read).
     """
 
-    vocab_size: int | None = None
+    # Keyword-only, so a family's own fields may come without defaults.
+    vocab_size: int | None = dataclasses.field(default=None, kw_only=True)
     """Rows of the embedding table; None: the tokenizer's, set by finalize()."""
-    mtp_depth: int = 0
+    mtp_depth: int = dataclasses.field(default=0, kw_only=True)
     """Multi-token prediction blocks after the main ones (block k predicts the token k + 1 places ahead);
     only where the family's model builds them (``builds_mtp_blocks``)."""
 

@@ -31,7 +31,8 @@ class TrainSpec:
     """``parallelize_fn(model, parallel_dims, job_config)`` applies TP, AC, compile and FSDP. None: for a model on
     the shared decoder, distributed/apply_common.parallelize_decoder with ``tp_block_plan``."""
     pipelining_fn: Callable[..., Any] | None = None
-    """Splits the model into pipeline stages. None: the shared decoder's split for a model on it, else no PP."""
+    """Splits the model into pipeline stages. None: the shared decoder's split for a model on it (any Decoder
+    subclass, so such a family is pipelined), else no PP."""
     tp_block_plan: BlockPlan | None = None
     """A shared-decoder family's tensor-parallel plan of a block (None: grouped-query attention's)."""
     build_optimizer_fn: Callable[..., Any] | None = None
