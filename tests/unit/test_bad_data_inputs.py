@@ -43,7 +43,8 @@ def write_corpus(folder: Path, rows: list) -> Path:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("data") / "corpus", [f"document {i}: " + "words " * i for i in range(40)])
+    documents = [f"document {i}: " + "words " * i for i in range(40)]
+    return write_corpus(tmp_path_factory.mktemp("data") / "corpus", documents)
 
 
 @pytest.fixture(scope="module")

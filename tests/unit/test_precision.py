@@ -149,10 +149,10 @@ def test_the_planner_picks_the_trainers_dtype(fast_bf16, fast, expected):
 
 def test_no_other_dtype_name_table_exists():
     """Dtype names map to torch dtypes in hardware.DTYPES only (a grep of the package and scripts)."""
-    from torchtitan import hardware
-
     import re
     from pathlib import Path
+
+    from torchtitan import hardware
 
     # name -> torch dtype, name -> byte size, or a dtype looked up by name on the torch module
     table = re.compile(r"""["'](float32|bfloat16|float16)["']\s*:\s*(torch\.|[1248]\s*[,}])|getattr\(torch,""")

@@ -74,7 +74,6 @@ class NextTokenWithMTP(NextToken):
              global_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, *predictions = output
         main = self.loss_fn(logits, targets[:, 0], global_counts[0])
-        del logits
         extra = mtp_loss(self.loss_fn, predictions, targets[:, 1:], global_counts[1:])
         return main + self.weight * extra, loss_parts(main, extra)
 

@@ -457,8 +457,9 @@ def _located_spans(template: ChatTemplate, messages: Messages, text: str, add_ge
         if _has_text(message):
             mine = [k for k, owner in enumerate(owners) if owner == i]
             if len(mine) != 1:
-                raise ChatTemplateError(f"message {i} (assistant): cannot locate its text: the chat template renders "
-                                        f"its content {len(mine)} times and has no {{% generation %}} blocks to mark it")
+                raise ChatTemplateError(f"message {i} (assistant): cannot locate its text: the chat template "
+                                        f"renders its content {len(mine)} times and has no {{% generation %}} "
+                                        "blocks to mark it")
             k = mine[0]
             start = prompt_end(i, k - 1)
             # No prompt: a header cannot be told from the text before it, so the content starts the span.
