@@ -31,7 +31,7 @@ CONFIGS = {
     "compiled": COMPILED,
     "compiled + float8 tensorwise": [*FLOAT8, "--quantize.linear.float8.recipe_name", "tensorwise"],
     "compiled + float8 rowwise": [*FLOAT8, "--quantize.linear.float8.recipe_name", "rowwise"],
-    "compiled, no AC": [*COMPILED, "--activation_checkpoint.mode", "none"],
+    "compiled without AC": [*COMPILED, "--activation_checkpoint.mode", "none"],
     "compiled + chunked loss": [*COMPILED, "--training.loss_chunk_size", "2048"],
 }
 FLAVOR = "bench"  # registered in the training process by --run

@@ -125,6 +125,10 @@ def trainer_section(steps: int) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, nproc, flags) in enumerate(layouts):
             for path in ("grouped", "loop"):
+                if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+                    lines.append(f"| {label} | {path} | needs {nproc} GPUs; this machine has "
+                                 f"{torch.cuda.device_count()} | | |")
+                    continue
                 rows = run_trainer(nproc, [*common, *flags, "--moe.expert_compute", path], Path(tmp) / f"{i}{path}")
                 tps = steady(rows, "tps")
                 lines.append(f"| {label} | {path} | {tps:,.0f} | {tps * nproc:,.0f} | "

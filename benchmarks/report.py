@@ -21,7 +21,8 @@ def environment() -> str:
 
 
 class Table:
-    """Heading lines printed at once; rows printed as they come; everything written to ``output`` at the end."""
+    """Heading lines printed at once; rows printed and written to ``output`` as they come, so a run cut short
+    keeps what it measured."""
 
     def __init__(self, heading: list[str], output: pathlib.Path | None):
         self.lines = list(heading)
@@ -31,6 +32,7 @@ class Table:
     def add(self, row: str) -> None:
         self.lines.append(row)
         print(row, flush=True)
+        self.close()
 
     def close(self) -> None:
         if self.output:

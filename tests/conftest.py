@@ -54,9 +54,16 @@ def run_module(module: str, *args: str, env: dict | None = None, timeout: int = 
 
 
 def torchrun_command(nproc: int, module: str, ranks: str = "0") -> list[str]:
-    """``python -m module`` on ``nproc`` local processes under torchrun, showing the output of ``ranks``."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint=localhost:0", "--local-ranks-filter", ranks, "--role", "rank", "--tee", "3", "-m",
+    """``python -m module`` on ``nproc`` local processes under torchrun, showing the output of ``ranks``.
+
+    Where this host has GPUs but fewer than ``nproc``, the layout runs on the CPU (gloo): NCCL cannot put two
+    ranks on one GPU, and the trainer refuses such a launch."""
+    import torch
+
+    too_few_gpus = torch.cuda.is_available() and nproc > torch.cuda.device_count()
+    cpu_only = ["env", "CUDA_VISIBLE_DEVICES="] if too_few_gpus else []
+    return [*cpu_only, sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend",
+            "c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter", ranks, "--role", "rank", "--tee", "3", "-m",
             module]
 
 

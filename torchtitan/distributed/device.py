@@ -33,7 +33,13 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type() == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus = torch.cuda.device_count()
+        if local_world > gpus:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") mid-start-up
+            raise ValueError(f"{local_world} processes on this host (LOCAL_WORLD_SIZE) but only {gpus} visible "
+                             f"GPU(s): launch at most {gpus} per host (torchrun --nproc_per_node), or train on the CPU "
+                             "with CUDA_VISIBLE_DEVICES=''")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
