@@ -14,14 +14,19 @@ def close(ours: torch.Tensor, reference: torch.Tensor) -> None:
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
-def plain_and_chunked(tokens: int, dim: int, vocab: int, chunk: int, ignored: float = 0.2):
-    h = torch.randn(2, tokens // 2, dim, dtype=torch.float64).float()
+def plain_and_chunked(tokens: int, dim: int, vocab: int, chunk: int, ignored: float = 0.2, compiled: bool = False,
+                      device: str = "cpu"):
+    """(loss, input gradient, weight gradient) of the plain head + cross-entropy, then of the chunked head."""
+    h = torch.randn(2, tokens // 2, dim, dtype=torch.float64).float().to(device)
     labels = torch.randint(0, vocab, (2, tokens // 2))
     labels[torch.rand(labels.shape) < ignored] = IGNORE_INDEX
+    labels = labels.to(device)
     weight = torch.randn(vocab, dim) / dim**0.5
-    head = ChunkedLinearCrossEntropy(dim, vocab, chunk)
+    head = ChunkedLinearCrossEntropy(dim, vocab, chunk, device=device)
     with torch.no_grad():
         head.weight.copy_(weight)
+    if compiled:
+        head.compile_loss("inductor")
     results = []
     for chunked in (False, True):
         head.zero_grad()

@@ -34,8 +34,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         local = labels - vocab_start
         mine = valid & (local >= 0) & (local < weight.shape[0])
         local = torch.where(mine, local, 0)
-        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        # Chunks are gathered with torch.cat, not written into slices of a preallocated tensor: inductor on
+        # CUDA (torch 2.11) compiled the slice writes of this function into all-zero gradients.
+        lses, total = [], torch.zeros((), dtype=torch.float32, device=h.device)
         w = weight.to(dtype)
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -48,9 +49,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if group is not None:
                 dist.all_reduce(sums, group=group)
                 dist.all_reduce(target, group=group)
-            lse[rows] = peak + sums.log()
-            total += torch.where(valid[rows], lse[rows] - target, 0.0).sum()
-        ctx.save_for_backward(h, weight, lse, valid, mine, local)
+            lses.append(peak + sums.log())
+            total = total + torch.where(valid[rows], lses[-1] - target, 0.0).sum()
+        ctx.save_for_backward(h, weight, torch.cat(lses), valid, mine, local)
         ctx.chunk_size, ctx.dtype, ctx.group = chunk_size, dtype, group
         return total
 
@@ -59,19 +60,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         h, weight, lse, valid, mine, local = ctx.saved_tensors
         dtype = ctx.dtype
         w = weight.to(dtype)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_hs, grad_w = [], torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         scale = grad_total.float()
         for start in range(0, h.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             hc = h[rows].to(dtype)
             probs = torch.exp((hc @ w.T).float() - lse[rows, None])
             # softmax - onehot, where this rank holds the target (a static-shape scatter: compiles cleanly)
-            probs.scatter_add_(1, local[rows, None], -mine[rows, None].float())
+            probs = probs.scatter_add(1, local[rows, None], -mine[rows, None].float())
             dlogits = (probs * torch.where(valid[rows], scale, 0.0)[:, None]).to(dtype)
-            grad_h[rows] = (dlogits @ w).to(h.dtype)
-            grad_w += (dlogits.T @ hc).float()
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+            grad_hs.append((dlogits @ w).to(h.dtype))
+            grad_w = grad_w + (dlogits.T @ hc).float()
+        return torch.cat(grad_hs), grad_w.to(weight.dtype), None, None, None, None, None
 
 
 class ChunkedLinearCrossEntropy(nn.Linear):
