@@ -1,34 +1,60 @@
-"""Fixtures shared by the integration tests."""
+"""Fixtures shared by the integration tests: the suite-wide matrix of training runs."""
 
 import importlib
 
 import pytest
 
-from tests.integration.parity import MANY_PROCESS_LAYOUTS, TINY_COMMON, TINY_CONFIG, rows_of, train_matrix
+from tests.integration.parity import (
+    MANY_PROCESS_LAYOUTS,
+    TINY_COMMON,
+    TINY_CONFIG,
+    Matrix,
+    rows_of,
+    train_matrices,
+    train_matrix,
+)
 
 # The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
 DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",
                         "test_document_masking_training", "test_chunked_loss_training", "test_objective_training")
+# The modules with runs of other models or configs in the same launches; each has
+# suite_matrices(folder) -> {prefix: Matrix}, and its layouts' names start with their prefix.
+OTHER_MATRIX_MODULES = ("test_moe", "test_deepseek_v3_training", "test_gradient_sync", "test_qwen3",
+                        "test_extensions")
 
 
 @pytest.fixture(scope="session")
 def debug_folder(tmp_path_factory):
-    """Where the debug_runs layouts write: {debug_folder}/{layout}/ is each layout's job.dump_folder."""
-    return tmp_path_factory.mktemp("debug_layouts")
+    """Where the suite's matrix writes: {debug_folder}/{layout}/ is each layout's job.dump_folder."""
+    return tmp_path_factory.mktemp("matrix")
 
 
 @pytest.fixture(scope="session")
-def debug_runs(debug_folder):
-    """Every debug-model layout of the parity modules and the single-process reference, run with one launch
-    per process count for the whole suite (parity.COMMON flags)."""
+def suite_runs(request, debug_folder):
+    """Every matrix layout of the modules this session collected, with one launch per process count for the
+    whole suite (the launches' start-up is the cost of a short run): the debug-model layouts and their
+    single-process reference (parity.COMMON flags), and the other modules' matrices."""
+    collected = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items if item.module}
     folder = debug_folder
-    layouts = {"reference": (1, ["--training.local_batch_size", "8"])}
+    debug = {"reference": (1, ["--training.local_batch_size", "8"])}
     for name in DEBUG_LAYOUT_MODULES:
-        module = importlib.import_module(f"tests.integration.{name}")
-        for layout, spec in module.debug_layouts(folder).items():
-            assert layout not in layouts, f"{name} repeats the layout name {layout!r}"
-            layouts[layout] = spec
-    return train_matrix(folder, layouts)
+        if name in collected:
+            module = importlib.import_module(f"tests.integration.{name}")
+            for layout, spec in module.debug_layouts(folder).items():
+                assert layout not in debug, f"{name} repeats the layout name {layout!r}"
+                debug[layout] = spec
+    matrices = {"": Matrix(debug)} if len(debug) > 1 else {}
+    for name in OTHER_MATRIX_MODULES:
+        if name in collected:
+            for prefix, matrix in importlib.import_module(f"tests.integration.{name}").suite_matrices(folder).items():
+                assert prefix and prefix not in matrices, f"{name}: matrix prefix {prefix!r} is empty or taken"
+                matrices[prefix] = matrix
+    return folder, train_matrices(folder, matrices)
+
+
+@pytest.fixture(scope="session")
+def debug_runs(suite_runs):
+    return suite_runs[1]
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,13 +22,16 @@ import torch.distributed as dist
 def run(spec_path: Path) -> int:
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *args, **kwargs: None
-    codes = {}
+    codes, seconds = {}, {}
     for job in json.loads(spec_path.read_text()):
         torch._dynamo.reset()  # a fresh compile per job, as in a launch of its own
         module, function = job.get("entry", "torchtitan.train:main").split(":")
+        start = time.perf_counter()
         codes[job["name"]] = code = getattr(importlib.import_module(module), function)(job["argv"])
+        seconds[job["name"]] = round(time.perf_counter() - start, 1)
         if os.environ.get("RANK", "0") == "0":  # after each job: a later job's crash keeps the earlier codes
             spec_path.with_suffix(".codes.json").write_text(json.dumps(codes))
+            spec_path.with_suffix(".times.json").write_text(json.dumps(seconds, indent=0))
         if code != 0:
             break
     dist.destroy_process_group = destroy

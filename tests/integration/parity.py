@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -81,27 +82,47 @@ def assert_resumes_under_another_layout(tmp_path: Path, source: tuple[int, list[
     assert_same_steps(read_rows(resumed), straight[3:])
 
 
-def train_matrix(folder: Path, layouts: dict[str, tuple[int, list[str]]], config: str = CONFIG,
-                 common=COMMON, entry: str = "torchtitan.train:main") -> dict[str, list[dict] | str]:
-    """Run every layout (name: (nproc, flags) or (nproc, flags, entry)) with one torchrun launch per process
-    count; flags may name another ``--job.config_file`` (the last one given wins, as on the command line).
+@dataclass
+class Matrix:
+    """Layouts sharing one config and common flags: name -> (nproc, flags) or (nproc, flags, entry). ``entry``
+    ("module:function") runs each job in place of the trainer's main, e.g. one that also counts collectives;
+    a layout's own entry takes precedence. Flags may name another ``--job.config_file`` (the last one wins)."""
+
+    layouts: dict[str, tuple]
+    config: str = CONFIG
+    common: list[str] = field(default_factory=lambda: list(COMMON))
+    entry: str = "torchtitan.train:main"
+
+
+def train_matrix(folder: Path, layouts: dict[str, tuple], config: str = CONFIG, common=COMMON,
+                 entry: str = "torchtitan.train:main") -> dict[str, list[dict] | str]:
+    """Run every layout of one Matrix (see train_matrices)."""
+    return train_matrices(folder, {"": Matrix(layouts, config, list(common), entry)})
+
+
+def train_matrices(folder: Path, matrices: dict[str, Matrix]) -> dict[str, list[dict] | str]:
+    """Run the layouts of every matrix with one torchrun launch per process count; a layout's name (and its
+    job.dump_folder under ``folder``) is its matrix's key followed by its own name.
 
     Start-up (interpreters, imports, rendezvous) is paid once per launch instead of once per layout; the
-    jobs run one after another in the same processes (tests/integration/matrix_worker.py). Returns the
-    metrics rows of each layout, or the reason it has none (its failure, or an earlier job's). ``entry``
-    ("module:function") runs each job in place of the trainer's main, e.g. one that also counts collectives;
-    a layout's own entry takes precedence.
+    jobs run one after another in the same processes, in the order given (tests/integration/matrix_worker.py),
+    which also writes each job's seconds to ``matrix-N.times.json``. Returns the metrics rows of each layout,
+    or the reason it has none (its failure, or an earlier job's).
     """
+    jobs: dict[str, tuple[int, list[str], str]] = {}
+    for prefix, matrix in matrices.items():
+        for name, layout in matrix.layouts.items():
+            full = prefix + name
+            assert full not in jobs, f"two layouts are named {full!r}"
+            jobs[full] = (layout[0], ["--job.config_file", matrix.config, *matrix.common, *layout[1],
+                                      f"--job.dump_folder={folder / full}"], (*layout, matrix.entry)[2])
     results: dict[str, list[dict] | str] = {}
-    for nproc in sorted({layout[0] for layout in layouts.values()}):
-        names = [name for name, layout in layouts.items() if layout[0] == nproc]
-        jobs = [{"name": name, "entry": (layouts[name] + (entry,))[2],
-                 "argv": ["--job.config_file", config, *common, *layouts[name][1], f"--job.dump_folder={folder / name}"]}
-                for name in names]
+    for nproc in sorted({job[0] for job in jobs.values()}):
+        names = [name for name, job in jobs.items() if job[0] == nproc]
         spec = folder / f"matrix-{nproc}.json"
         spec.parent.mkdir(parents=True, exist_ok=True)
-        spec.write_text(json.dumps(jobs))
-        result = run_command([*torchrun_command(nproc, "tests.integration.matrix_worker"), str(spec)])
+        spec.write_text(json.dumps([{"name": name, "entry": jobs[name][2], "argv": jobs[name][1]} for name in names]))
+        result = run_command([*torchrun_command(nproc, "tests.integration.matrix_worker"), str(spec)], timeout=1800)
         codes_file = spec.with_suffix(".codes.json")
         codes = json.loads(codes_file.read_text()) if codes_file.exists() else {}
         output = result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,11 +1,12 @@
 """DeepSeek-V3 debug model in the trainer: every supported layout trains the single process's steps, and 200
-steps learn with the experts kept even by the routing bias."""
+steps learn with the experts kept even by the routing bias. The runs (names prefixed "ds_") are part of the
+suite-wide matrix (integration/conftest.py)."""
 
 import math
 
 import pytest
 
-from tests.integration.parity import assert_same_steps, embedding_copies, rows_of, train_matrix
+from tests.integration.parity import Matrix, assert_same_steps, embedding_copies, rows_of
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
@@ -34,19 +35,24 @@ LAYOUTS = {
 REFERENCE = {"qlora_tp2": "single_qlora"}
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("deepseek_v3")
+LONG = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps", "10",
+        "--metrics.log_freq", "1"]
+
+
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's runs in the suite-wide matrix (integration/conftest.py)."""
     # Resumed from the EP 2 x PP 2 run's step 3 (model with its MTP block and both embedding copies, optimizer,
     # data position), in the same launch after it.
     resumed = (4, [*EP2_PP2, "--checkpoint.enable", "--checkpoint.initial_load_path",
-                   str(folder / "ep2_pp2" / "checkpoint" / "step-3"), "--checkpoint.no_initial_load_model_only"])
-    return folder, train_matrix(folder, {**LAYOUTS, "ep2_pp2_resumed": resumed}, config=CONFIG, common=COMMON)
+                   str(folder / "ds_ep2_pp2" / "checkpoint" / "step-3"), "--checkpoint.no_initial_load_model_only"])
+    return {"ds_": Matrix({**LAYOUTS, "ep2_pp2_resumed": resumed}, CONFIG, COMMON),
+            "ds200_": Matrix({"long": (1, [])}, CONFIG, LONG)}
 
 
 @pytest.fixture(scope="module")
-def runs(matrix):
-    return matrix[1]
+def runs(suite_runs):
+    """This module's runs, by its own layout names."""
+    return {name[len("ds_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("ds_")}
 
 
 @pytest.mark.slow
@@ -69,10 +75,9 @@ def test_a_pipeline_run_with_mtp_resumes_exactly(runs):
 
 
 @pytest.mark.slow
-def test_the_pipelines_two_embedding_copies_stay_identical(matrix):
-    folder, runs = matrix
+def test_the_pipelines_two_embedding_copies_stay_identical(suite_runs, runs):
     rows_of(runs, "ep2_pp2")
-    steps = embedding_copies(folder / "ep2_pp2", nproc=4)
+    steps = embedding_copies(suite_runs[0] / "ds_ep2_pp2", nproc=4)
     assert len(steps) == 6
     for copies in steps:
         # Two pipelines (the FSDP/EP pairs), each with a first- and a last-stage copy: four, all one tensor.
@@ -93,10 +98,8 @@ def test_multi_token_prediction_trains_and_is_reported_apart(runs):
 
 
 @pytest.mark.slow
-def test_200_steps_learn_with_even_experts(tmp_path):
-    flags = ["--training.mixed_precision_param", "float32", "--training.steps", "200",
-             "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1"]
-    rows = rows_of(train_matrix(tmp_path, {"long": (1, [])}, config=CONFIG, common=flags), "long")
+def test_200_steps_learn_with_even_experts(suite_runs):
+    rows = rows_of(suite_runs[1], "ds200_long")
     assert len(rows) == 200 and all(math.isfinite(r["loss"]) for r in rows)
     last = rows[-20:]
     drop = rows[0]["loss"] - sum(r["loss"] for r in last) / 20

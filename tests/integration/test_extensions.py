@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import run_command, run_module, torchrun_command
-from tests.integration.parity import rows_of, train_matrix
+from tests.integration.parity import Matrix, rows_of
 from tests.integration.test_training import make_trainer
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
@@ -88,10 +88,14 @@ FLOAT8_RUNS = {
 }
 
 
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's float8 runs in the suite-wide matrix (integration/conftest.py), names prefixed "float8_"."""
+    return {"float8_": Matrix(FLOAT8_RUNS, "train_configs/tiny.toml", FLOAT8_FLAGS)}
+
+
 @pytest.fixture(scope="module")
-def float8_runs(tmp_path_factory):
-    return train_matrix(tmp_path_factory.mktemp("float8"), FLOAT8_RUNS, config="train_configs/tiny.toml",
-                        common=FLOAT8_FLAGS)
+def float8_runs(suite_runs):
+    return {name[len("float8_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("float8_")}
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.integration.parity import assert_same_steps, rows_of, train_matrix
+from tests.integration.parity import Matrix, assert_same_steps, rows_of
 
 CONFIG = "train_configs/tiny.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.steps", "4",
@@ -26,25 +26,23 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def sync_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sync")
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's runs in the suite-wide matrix (integration/conftest.py), names prefixed "sync_"."""
     layouts = {"single": (1, ["--training.local_batch_size", "8"]),
                **{name: (nproc, flags) for name, (nproc, flags, _, _) in LAYOUTS.items()}}
-    return folder, train_matrix(folder, layouts, config=CONFIG, common=COMMON,
-                                entry="tests.integration.gradient_sync_worker:main")
+    return {"sync_": Matrix(layouts, CONFIG, COMMON, entry="tests.integration.gradient_sync_worker:main")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_accumulation_matches_single_process_with_one_sync_per_step(sync_runs, layout):
-    folder, runs = sync_runs
+def test_accumulation_matches_single_process_with_one_sync_per_step(suite_runs, layout):
+    folder, runs = suite_runs
     nproc, _, microbatches, once_per_step = LAYOUTS[layout]
-    reference = rows_of(runs, "single")
+    reference = rows_of(runs, "sync_single")
     assert [r["step"] for r in reference] == [1, 2, 3, 4] and reference[-1]["loss"] != reference[0]["loss"]
-    assert_same_steps(rows_of(runs, layout), reference)
+    assert_same_steps(rows_of(runs, "sync_" + layout), reference)
     for rank in range(nproc):
-        counts = json.loads((folder / layout / f"all_reduces-rank{rank}.json").read_text())
+        counts = json.loads((folder / f"sync_{layout}" / f"all_reduces-rank{rank}.json").read_text())
         assert counts["units"] > 0 and counts["steps"] == 4 and counts["accumulation"] == microbatches
         per_unit_and_step = counts["all_reduces"] / (counts["units"] * counts["steps"])
         assert per_unit_and_step == (1 if once_per_step else microbatches), (rank, counts)

@@ -2,7 +2,8 @@
 routing biases (aux-loss-free balancing on, updated every step), resuming across expert-parallel degrees, the
 Hugging Face export of a trained model, and a 200-step run that learns and stays balanced.
 
-All layouts run from one launch per process count (parity.train_matrix) and share one reference.
+All layouts (names prefixed "moe_") run in the suite-wide matrix (integration/conftest.py: one launch per
+process count) and share one reference.
 """
 
 import json
@@ -13,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
-from tests.integration.parity import assert_same_steps, rows_of, train_matrix
+from tests.integration.parity import Matrix, assert_same_steps, rows_of
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_moe_debug.toml"
@@ -40,7 +41,7 @@ LAYOUTS = {
 def _resume_from_ep2(folder, nproc: int, ep: int) -> tuple[int, list[str]]:
     # The whole state of the EP 2 run's step 3 (model, optimizer, schedule, data position, step).
     return nproc, ["--training.local_batch_size", str(8 // nproc), "--parallelism.expert_parallel_degree", str(ep),
-                   "--checkpoint.initial_load_path", str(folder / "ep2" / "checkpoint" / "step-3"),
+                   "--checkpoint.initial_load_path", str(folder / "moe_ep2" / "checkpoint" / "step-3"),
                    "--checkpoint.no_initial_load_model_only"]
 
 
@@ -55,10 +56,14 @@ def _transformers_checkpoint(folder):
     return ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf"]
 
 
-@pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("moe")
-    from_hf = _transformers_checkpoint(folder / "hf")
+# The preset as shipped (batch 8 x 256), 200 steps with a 10-step warmup, in fp32.
+BALANCE = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps",
+           "10", "--metrics.log_freq", "1"]
+
+
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's runs in the suite-wide matrix (integration/conftest.py)."""
+    from_hf = _transformers_checkpoint(folder / "moe_hf")
     layouts = {
         # The reference also exports a Hugging Face folder at its last step, dropping the trained routing bias.
         "single": (1, ["--training.local_batch_size", "8", "--checkpoint.last_save_in_hf",
@@ -72,7 +77,26 @@ def moe_runs(tmp_path_factory):
         "from_hf": (1, ["--training.local_batch_size", "8", *from_hf]),
         "from_hf_ep2": (2, ["--training.local_batch_size", "4", *EP2, *from_hf]),
     }
-    return folder, train_matrix(folder, layouts, config=CONFIG, common=COMMON)
+    long = {"balanced": (1, []), "unbalanced": (1, ["--moe.bias_update_rate", "0"])}
+    return {"moe_": Matrix(layouts, CONFIG, COMMON), "moe200_": Matrix(long, CONFIG, BALANCE)}
+
+
+class Runs:
+    """The suite matrix's MoE runs, by this module's layout names."""
+
+    def __init__(self, folder, runs):
+        self.folder, self.runs = folder, runs
+
+    def rows(self, name: str) -> list[dict]:
+        return rows_of(self.runs, "moe_" + name)
+
+    def checkpoint(self, name: str, step: int = STEPS):
+        return self.folder / f"moe_{name}" / "checkpoint" / f"step-{step}"
+
+
+@pytest.fixture(scope="module")
+def moe_runs(suite_runs):
+    return Runs(*suite_runs)
 
 
 def expert_biases(step_folder) -> torch.Tensor:
@@ -85,26 +109,23 @@ def expert_biases(step_folder) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process_losses_and_routing_biases(moe_runs, layout):
-    folder, runs = moe_runs
-    reference = rows_of(runs, "single")
+    reference = moe_runs.rows("single")
     assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
     assert reference[-1]["loss"] != reference[0]["loss"]
-    assert_same_steps(rows_of(runs, layout), reference)
+    assert_same_steps(moe_runs.rows(layout), reference)
     # The expert loads the layout logged are the single process's (the same tokens went to the same experts).
-    for ours, ref in zip(rows_of(runs, layout), reference):
+    for ours, ref in zip(moe_runs.rows(layout), reference):
         assert ours["moe/max_over_mean"] == pytest.approx(ref["moe/max_over_mean"], abs=1e-3), ours["step"]
-    expected = expert_biases(folder / "single" / "checkpoint" / f"step-{STEPS}")
+    expected = expert_biases(moe_runs.checkpoint("single"))
     assert expected.abs().max() > 0  # the biases moved, every step by +-1e-3 or 0
-    torch.testing.assert_close(expert_biases(folder / layout / "checkpoint" / f"step-{STEPS}"), expected,
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(expert_biases(moe_runs.checkpoint(layout)), expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resumed, bitwise", [("resume_ep2", True), ("resume_ep1", False), ("resume_ep4", False)])
 def test_checkpoint_saved_under_ep2_resumes_under_another_ep_degree(moe_runs, resumed, bitwise):
-    _, runs = moe_runs
-    straight = rows_of(runs, "ep2")[3:]
-    rows = rows_of(runs, resumed)
+    straight = moe_runs.rows("ep2")[3:]
+    rows = moe_runs.rows(resumed)
     assert [r["step"] for r in rows] == [4, 5, 6]
     if bitwise:
         assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in straight]
@@ -114,20 +135,18 @@ def test_checkpoint_saved_under_ep2_resumes_under_another_ep_degree(moe_runs, re
 
 @pytest.mark.slow
 def test_a_transformers_checkpoint_starts_runs_under_expert_parallelism(moe_runs):
-    _, runs = moe_runs
-    single = rows_of(runs, "from_hf")
-    assert single[0]["loss"] != rows_of(runs, "single")[0]["loss"]  # other weights than the seeded ones
-    assert_same_steps(rows_of(runs, "from_hf_ep2"), single)
+    single = moe_runs.rows("from_hf")
+    assert single[0]["loss"] != moe_runs.rows("single")[0]["loss"]  # other weights than the seeded ones
+    assert_same_steps(moe_runs.rows("from_hf_ep2"), single)
 
 
 @pytest.mark.slow
 def test_hf_export_of_the_trained_model_drops_the_bias_and_loads_in_transformers(moe_runs):
-    folder, _ = moe_runs
-    export = folder / "single" / "checkpoint" / f"export-step-{STEPS}"
+    export = moe_runs.checkpoint("single").parent / f"export-step-{STEPS}"
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is True
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
-    ours = load_model(CONFIG, str(folder / "single" / "checkpoint" / f"step-{STEPS}"))
+    ours = load_model(CONFIG, str(moe_runs.checkpoint("single")))
     assert ours.layers["0"].moe.expert_bias.abs().max() > 0
     tokens = torch.randint(0, config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -136,18 +155,11 @@ def test_hf_export_of_the_trained_model_drops_the_bias_and_loads_in_transformers
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
 
 
-# The preset as shipped (batch 8 x 256), 200 steps with a 10-step warmup, in fp32.
-BALANCE = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps",
-           "10", "--metrics.log_freq", "1"]
-
-
 @pytest.mark.slow
-def test_200_steps_learn_and_aux_loss_free_balancing_keeps_the_experts_even(tmp_path):
-    runs = train_matrix(tmp_path, {"balanced": (1, []), "unbalanced": (1, ["--moe.bias_update_rate", "0"])},
-                        config=CONFIG, common=BALANCE)
+def test_200_steps_learn_and_aux_loss_free_balancing_keeps_the_experts_even(suite_runs):
     figures = {}
     for name in ("balanced", "unbalanced"):
-        rows = rows_of(runs, name)
+        rows = rows_of(suite_runs[1], "moe200_" + name)
         assert len(rows) == 200 and all(math.isfinite(r["loss"]) for r in rows)
         last = rows[-20:]
         figures[name] = (rows[0]["loss"] - sum(r["loss"] for r in last) / 20,

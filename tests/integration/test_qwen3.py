@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tests.conftest import run_module
-from tests.integration.parity import STEPS, assert_matches, read_rows, rows_of, train_matrix
+from tests.integration.parity import STEPS, Matrix, assert_matches, read_rows, rows_of
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"
@@ -74,9 +74,14 @@ RUNS = {
 }
 
 
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's parity runs in the suite-wide matrix (integration/conftest.py), names prefixed "qwen3_"."""
+    return {"qwen3_": Matrix(RUNS, CONFIG, COMMON)}
+
+
 @pytest.fixture(scope="module")
-def qwen3_runs(tmp_path_factory):
-    return train_matrix(tmp_path_factory.mktemp("qwen3"), RUNS, config=CONFIG, common=COMMON)
+def qwen3_runs(suite_runs):
+    return {name[len("qwen3_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("qwen3_")}
 
 
 @pytest.mark.slow
