@@ -284,6 +284,11 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
     return ranks
 
 
+def optimizer_states(cfg: JobConfig, in_block: bool) -> int:
+    """Optimizer state tensors per parameter, each the size of the parameter (components/muon.py for Muon's)."""
+    return 1 if cfg.optimizer.name == "Muon" and in_block else 2
+
+
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
     """The busiest device's peak: each pipeline rank is predicted and the largest total kept."""
     return max((rank_memory(m, cfg, layout, on_cpu, rank) for rank in pipeline_ranks(m, cfg, layout)),
@@ -305,7 +310,10 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
     grads = params_local * s
-    optimizer = 2 * params_local * s if cfg.optimizer.name in ("AdamW", "Adam") else 0
+    # Adam keeps two moments per parameter; Muon one momentum per block matrix (norms counted with them) and
+    # AdamW's two for the embedding, head and final norm.
+    optimizer = (optimizer_states(cfg, in_block=True) * rank.blocks * m.block_params
+                 + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree * s
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
     sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size
@@ -557,7 +565,7 @@ def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | No
     # Stored sharded like everything else (over ep x the experts' FSDP = dp_shard x cp, and tp); the
     # optimizer's two moments and the gradient triple the parameters' bytes.
     stored = m.routed_params * m.moe_layers / layout.pp / (layout.dp_shard * layout.cp * layout.tp) * s
-    adam = 2 if cfg.optimizer.name in ("AdamW", "Adam") else 0
+    adam = optimizer_states(cfg, in_block=True)
     volume = all_to_all_bytes(m, cfg, layout)
     split = (f"{local} per EP rank (ep {layout.ep}, FSDP-sharded {layout.efsdp} ways more)" if layout.ep > 1 else
              f"no expert parallelism (FSDP-sharded {layout.fsdp_degree} ways)")

@@ -193,6 +193,20 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=self.OPTIONS)
 
+    def refusal(self, metadata) -> str | None:
+        """A one-line reason when the checkpoint's optimizer state is another optimizer's (other state names,
+        e.g. AdamW's exp_avg where Muon keeps momentum_buffer), else None."""
+        def kinds(names) -> set[str]:
+            return {name.rsplit(".", 1)[1] for name in names if name.startswith("state.")}
+
+        saved = kinds(name.split(".", 1)[1] for name in metadata.state_dict_metadata if name.startswith("optimizer."))
+        ours = kinds(self.state_dict())
+        if not saved or saved == ours:
+            return None
+        return (f"its optimizer state holds {', '.join(sorted(saved))} but this run's optimizer "
+                f"({type(self.optimizer).__name__}) keeps {', '.join(sorted(ours))}: it was saved with another "
+                "optimizer.name; load the model alone (checkpoint.exclude_from_loading = ['optimizer'])")
+
 
 class LRSchedulerState(Stateful):
     """Only the count of completed steps: the schedule (a LambdaLR) is rebuilt from the config."""
@@ -376,8 +390,9 @@ class CheckpointManager:
         metadata = verify_checkpoint(where)
         stored = {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
         keys = [k for k in keys if k not in OPTIONAL_KEYS or k in stored]
-        if "model" in keys and (reason := self.states["model"].refusal(metadata)):
-            raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
+        for key in ("model", "optimizer"):
+            if key in keys and (reason := self.states[key].refusal(metadata)):
+                raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
         for key in keys:
             if hasattr(self.states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
                 self.states[key].prepare_load(metadata)

@@ -8,8 +8,18 @@ from torchtitan.distributed.grad_norm import clip_grads_, clip_scale
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """One AdamW/Adam over the parameters of every model part (several with pipeline parallelism)."""
+    """One optimizer over the parameters of every model part (several with pipeline parallelism): AdamW/Adam,
+    or Muon with AdamW for the parameters that are not hidden matrices (components/muon.py)."""
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    if cfg.name == "Muon":
+        from torchtitan.components.muon import build_muon
+        from torchtitan.distributed.precision import resolve_compute_dtype
+        from torchtitan.hardware import DTYPES
+
+        ns_dtype = cfg.muon_ns_dtype
+        if ns_dtype == "auto":
+            ns_dtype = resolve_compute_dtype("auto", params[0].device.type if params else "cpu")[0]
+        return build_muon(model_parts, cfg, DTYPES[ns_dtype])
     impl = {
         "fused": {"fused": True, "foreach": False},
         "foreach": {"fused": False, "foreach": True},

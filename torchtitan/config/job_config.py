@@ -67,13 +67,24 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = option("AdamW", "Optimizer")
+    name: Literal["AdamW", "Adam", "Muon"] = option(
+        "AdamW", "Optimizer; Muon updates the hidden matrices and AdamW (these betas, eps) the other parameters")
     lr: float = option(8e-4, "Peak learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
     eps: float = option(1e-8, "Adam epsilon")
-    weight_decay: float = option(0.1, "Weight decay (decoupled for AdamW)")
-    implementation: Literal["fused", "foreach", "for-loop"] = option("fused", "Optimizer kernel implementation")
+    weight_decay: float = option(0.1, "Weight decay (decoupled for AdamW and Muon)")
+    implementation: Literal["fused", "foreach", "for-loop"] = option(
+        "fused", "Optimizer kernel implementation (for Muon: of its AdamW group)")
+    muon_momentum: float = option(0.95, "Muon: momentum of the gradient average that is orthogonalised")
+    muon_nesterov: bool = option(True, "Muon: orthogonalise the Nesterov look-ahead instead of the momentum buffer")
+    muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = option(
+        "match_rms_adamw", "Muon: lr per matrix; match_rms_adamw: lr * 0.2 * sqrt(max(rows, cols)), so AdamW's lr and "
+        "weight decay carry over; original: lr * sqrt(max(1, rows / cols))")
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto", "Muon: dtype of the Newton-Schulz matmuls; auto: bfloat16 where it is fast (GPUs, CPUs with AMX or "
+        "AVX-512 BF16), else float32")
     early_step_in_backward: bool = option(False, "Step each parameter as soon as its gradient is ready")
 
 

@@ -1,0 +1,178 @@
+"""Muon for the hidden weight matrices, AdamW for every other parameter, in one optimizer (optimizer.name = "Muon").
+
+Muon (momentum orthogonalised by Newton-Schulz) updates each hidden matrix: the attention and MLA projections,
+the dense and shared-expert FFNs, and each routed expert's matrices (a stacked ``[experts, in, out]`` parameter
+is orthogonalised per expert). Embeddings, the output head, norms, biases, router gates and every other
+parameter that is not a matrix inside a block go to AdamW with the same [optimizer] section's betas and eps.
+
+Per Muon matrix with gradient G and momentum buffer B (both float32 math):
+
+    B <- momentum * B + (1 - momentum) * G
+    U <- (1 - momentum) * G + momentum * B   (Nesterov; B alone without)
+    O <- NewtonSchulz5(U)                    (quintic, coefficients 3.4445, -4.7750, 2.0315; in ns_dtype)
+    W <- W * (1 - lr * weight_decay) - lr * adjust(rows, cols) * O
+
+with ``adjust`` = sqrt(max(1, rows / cols)) ("original") or 0.2 * sqrt(max(rows, cols)) ("match_rms_adamw", which
+gives the update AdamW's typical RMS, so AdamW's lr and weight decay carry over). rows are output features and
+cols input features whatever the storage: an nn.Linear weight is [out, in], a stacked expert [experts, in, out].
+
+The numbers for a 2-D matrix are torch.optim.Muon's (same operations in the same order); the AdamW group is
+torch's functional AdamW. Parameters sharded as DTensors (FSDP, TP, EP) are orthogonalised whole: the update is
+gathered, orthogonalised, and each rank keeps its own shard. Every rank of the matrix's mesh does this work; a
+scheme that orthogonalises each matrix on one owner rank is not built yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim.adam import adam
+
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.log import logger
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalisation of a matrix, or of each matrix of a [n, r, c] stack."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # iterate on the smaller Gram matrix
+        x = x.mT
+    if x.ndim == 2:  # torch.optim.Muon's exact sequence of operations
+        x = x / x.norm().clamp(min=NS_EPS)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def rows_and_cols(param: torch.Tensor) -> tuple[int, int]:
+    """(output features, input features) of a Muon matrix: [out, in] for a Linear, [experts, in, out] stacked."""
+    return (param.shape[0], param.shape[1]) if param.ndim == 2 else (param.shape[-1], param.shape[-2])
+
+
+def lr_factor(rule: str, param: torch.Tensor) -> float:
+    rows, cols = rows_and_cols(param)
+    if rule == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """newton_schulz of the whole matrix; for a DTensor, this rank's shard of it (as a DTensor)."""
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, steps, dtype)
+    whole = newton_schulz(update.full_tensor(), steps, dtype)
+    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter]],
+                                                            list[tuple[str, nn.Parameter]]]:
+    """(Muon's, AdamW's) named trainable parameters: Muon takes the 2-D and stacked 3-D matrices inside the
+    transformer blocks (any module under ``layers``), except router gates; AdamW takes the rest."""
+    from torchtitan.models.moe import Router
+
+    muon, adamw = [], []
+    for part in model_parts:
+        routers = [name + "." for name, module in part.named_modules() if isinstance(module, Router)]
+        for module_name, module in part.named_modules():
+            in_block = module_name.startswith("layers.")
+            in_router = any(f"{module_name}.".startswith(router) for router in routers)
+            for name, param in module.named_parameters(recurse=False):
+                if not param.requires_grad:
+                    continue
+                full = f"{module_name}.{name}" if module_name else name
+                hidden_matrix = (in_block and param.ndim in (2, 3) and not in_router
+                                 and not isinstance(module, nn.Embedding))
+                (muon if hidden_matrix else adamw).append((full, param))
+    return muon, adamw
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer with a "muon" and an "adamw" parameter group (see the module doc); the lr scheduler scales
+    both groups' lr alike."""
+
+    def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], cfg: OptimizerConfig,
+                 ns_dtype: torch.dtype):
+        impl = {"fused": (True, False), "foreach": (False, True), "for-loop": (False, False)}[cfg.implementation]
+        defaults = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+        groups = [dict(params=muon_params, kind="muon", momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                       ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_adjust_lr),
+                  dict(params=adamw_params, kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                       fused=impl[0], foreach=impl[1])]
+        super().__init__([g for g in groups if g["params"]], defaults)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(param.grad, 1 - momentum)
+            update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = _orthogonalize(update, group["ns_steps"], self.ns_dtype)
+            param.mul_(1 - lr * group["weight_decay"])
+            param.add_(update, alpha=-lr * lr_factor(group["adjust_lr"], param))
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                # As torch.optim.AdamW keeps it: a float32 count, on the parameter's device for the fused kernel.
+                device = param.device if group["fused"] else None
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            params.append(param)
+            grads.append(param.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if params:
+            adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], fused=group["fused"],
+                 decoupled_weight_decay=True, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: torch.dtype) -> MuonWithAdamW:
+    muon, adamw = split_parameters(model_parts)
+
+    def listed(named: list) -> str:
+        names = [name for name, _ in named]
+        return ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+
+    logger.info(f"optimizer Muon: {len(muon)} matrices by Muon ({listed(muon)}); {len(adamw)} parameters by AdamW "
+                f"({listed(adamw)})")
+    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, ns_dtype)
