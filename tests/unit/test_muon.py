@@ -135,6 +135,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line_and_loads_mode
     before = snapshot(tmp_path / "checkpoint")
     more = [*common, "--training.steps", "4", "--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
     assert_one_line_error(main, more, "step-2", "optimizer state holds exp_avg, exp_avg_sq, step",
-                          "(MuonWithAdamW) keeps exp_avg, exp_avg_sq, momentum_buffer, step", "exclude_from_loading", unchanged=before)
+                          "(MuonWithAdamW) keeps exp_avg, exp_avg_sq, momentum_buffer, step", "exclude_from_loading",
+                          unchanged=before)
     code, text = run_entry_point(main, [*more, "--checkpoint.exclude_from_loading", "optimizer"])
     assert code == 0 and "resumed from step 2" in text, text[-3000:]
