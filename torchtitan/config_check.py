@@ -111,6 +111,8 @@ def _check_optimizer(c: _Checker) -> None:
     c.require("optimizer.weight_decay", o.weight_decay >= 0, "is invalid; it must be >= 0")
     c.require("optimizer.muon_momentum", 0 <= o.muon_momentum < 1, "is invalid; it must be in [0, 1)")
     c.require("optimizer.muon_ns_steps", 1 <= o.muon_ns_steps < 100, "is invalid; it must be in [1, 99]")
+    c.require("optimizer.state_dtype", o.state_dtype == "float32" or o.name != "Adam",
+              "is built for AdamW and Muon; with optimizer.name = 'Adam' it must be float32")
     c.require("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "is invalid; it must be >= 0")
     c.require("lr_scheduler.decay_ratio", s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
               "is invalid; it must be in [0, 1] or unset")

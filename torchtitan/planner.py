@@ -312,8 +312,9 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     grads = params_local * s
     # Adam keeps two moments per parameter; Muon one momentum per block matrix (norms counted with them) and
     # AdamW's two for the embedding, head and final norm.
+    state_bytes = s if cfg.optimizer.state_dtype == "float32" else DTYPES[cfg.optimizer.state_dtype].itemsize
     optimizer = (optimizer_states(cfg, in_block=True) * rank.blocks * m.block_params
-                 + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree * s
+                 + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree * state_bytes
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
     sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size

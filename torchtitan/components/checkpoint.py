@@ -203,9 +203,9 @@ class OptimizerState(Stateful):
         ours = kinds(self.state_dict())
         if not saved or saved == ours:
             return None
-        return (f"its optimizer state holds {', '.join(sorted(saved))} but this run's optimizer "
-                f"({type(self.optimizer).__name__}) keeps {', '.join(sorted(ours))}: it was saved with another "
-                "optimizer.name; load the model alone (checkpoint.exclude_from_loading = ['optimizer'])")
+        return (f"its optimizer state holds {', '.join(sorted(saved))} but this run's optimizer keeps "
+                f"{', '.join(sorted(ours))}: it was saved with another optimizer.name; load the model alone "
+                "(checkpoint.exclude_from_loading = ['optimizer'])")
 
 
 class LRSchedulerState(Stateful):

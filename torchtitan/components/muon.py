@@ -102,10 +102,14 @@ def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.P
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer with a "muon" and an "adamw" parameter group (see the module doc); the lr scheduler scales
-    both groups' lr alike."""
+    both groups' lr alike. Either group may be empty: AdamW with bfloat16 states is this class without Muon.
+
+    ``state_dtype`` (None: the parameters' dtype) is the dtype the moments and momentum buffers are stored in;
+    with a dtype other than the parameters', each step reads them into float32, updates, and rounds them back.
+    """
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], cfg: OptimizerConfig,
-                 ns_dtype: torch.dtype):
+                 ns_dtype: torch.dtype, state_dtype: torch.dtype | None = None):
         impl = {"fused": (True, False), "foreach": (False, True), "for-loop": (False, False)}[cfg.implementation]
         defaults = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
         groups = [dict(params=muon_params, kind="muon", momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
@@ -113,7 +117,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   dict(params=adamw_params, kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                        fused=impl[0], foreach=impl[1])]
         super().__init__([g for g in groups if g["params"]], defaults)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.state_dtype = ns_dtype, state_dtype
+
+    def _new_state(self, param: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(param, dtype=self.state_dtype or param.dtype, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -135,9 +142,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[param]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
+                state["momentum_buffer"] = self._new_state(param)
+            stored = state["momentum_buffer"]
+            buf = stored if stored.dtype == param.grad.dtype else stored.float()
             buf.lerp_(param.grad, 1 - momentum)
+            if buf is not stored:
+                stored.copy_(buf)
             update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
             update = _orthogonalize(update, group["ns_steps"], self.ns_dtype)
             param.mul_(1 - lr * group["weight_decay"])
@@ -153,8 +163,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 # As torch.optim.AdamW keeps it: a float32 count, on the parameter's device for the fused kernel.
                 device = param.device if group["fused"] else None
                 state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg"] = self._new_state(param)
+                state["exp_avg_sq"] = self._new_state(param)
+            if state["exp_avg"].dtype != param.dtype:
+                self._low_precision_adamw(param, state, group)
+                continue
             params.append(param)
             grads.append(param.grad)
             exp_avgs.append(state["exp_avg"])
@@ -166,7 +179,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
-def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: torch.dtype) -> MuonWithAdamW:
+    @staticmethod
+    def _low_precision_adamw(param: torch.Tensor, state: dict, group: dict) -> None:
+        """torch's single-tensor AdamW step in float32 on moments stored in a lower precision."""
+        beta1, beta2 = group["betas"]
+        lr, grad = group["lr"], param.grad.float()
+        state["step"] += 1
+        step = state["step"].item()
+        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        param.mul_(1 - lr * group["weight_decay"])
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+        state["exp_avg"].copy_(exp_avg)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: torch.dtype,
+               state_dtype: torch.dtype | None) -> MuonWithAdamW:
     muon, adamw = split_parameters(model_parts)
 
     def listed(named: list) -> str:
@@ -175,4 +205,4 @@ def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: tor
 
     logger.info(f"optimizer Muon: {len(muon)} matrices by Muon ({listed(muon)}); {len(adamw)} parameters by AdamW "
                 f"({listed(adamw)})")
-    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, ns_dtype)
+    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, ns_dtype, state_dtype)

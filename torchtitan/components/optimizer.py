@@ -5,21 +5,26 @@ from torch import nn
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.grad_norm import clip_grads_, clip_scale
+from torchtitan.hardware import DTYPES
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (several with pipeline parallelism): AdamW/Adam,
     or Muon with AdamW for the parameters that are not hidden matrices (components/muon.py)."""
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    state_dtype = None if cfg.state_dtype == "float32" else DTYPES[cfg.state_dtype]
     if cfg.name == "Muon":
         from torchtitan.components.muon import build_muon
         from torchtitan.distributed.precision import resolve_compute_dtype
-        from torchtitan.hardware import DTYPES
 
         ns_dtype = cfg.muon_ns_dtype
         if ns_dtype == "auto":
             ns_dtype = resolve_compute_dtype("auto", params[0].device.type if params else "cpu")[0]
-        return build_muon(model_parts, cfg, DTYPES[ns_dtype])
+        return build_muon(model_parts, cfg, DTYPES[ns_dtype], state_dtype)
+    if state_dtype is not None:  # AdamW (config_check refuses Adam) keeping its moments in a lower precision
+        from torchtitan.components.muon import MuonWithAdamW
+
+        return MuonWithAdamW([], params, cfg, ns_dtype=torch.float32, state_dtype=state_dtype)
     impl = {
         "fused": {"fused": True, "foreach": False},
         "foreach": {"fused": False, "foreach": True},

@@ -76,6 +76,9 @@ class Optimizer:
     weight_decay: float = option(0.1, "Weight decay (decoupled for AdamW and Muon)")
     implementation: Literal["fused", "foreach", "for-loop"] = option(
         "fused", "Optimizer kernel implementation (for Muon: of its AdamW group)")
+    state_dtype: Literal["float32", "bfloat16"] = option(
+        "float32", "dtype the optimizer keeps its moments (Muon: momentum) in; the update math runs in float32 either "
+        "way; float32 keeps them as PyTorch does, in the parameters' dtype (training.dtype)")
     muon_momentum: float = option(0.95, "Muon: momentum of the gradient average that is orthogonalised")
     muon_nesterov: bool = option(True, "Muon: orthogonalise the Nesterov look-ahead instead of the momentum buffer")
     muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations")

@@ -1,0 +1,76 @@
+"""optimizer.state_dtype = "bfloat16": AdamW moments and Muon momentum stored in bfloat16, math in float32;
+the step is torch's AdamW arithmetic, it stays close to float32 states, and a resumed run repeats the straight
+one bitwise."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.bad_input import run_entry_point
+from tests.unit.test_muon import debug_model, steps_of
+from torchtitan.components.muon import MuonWithAdamW
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.config.job_config import Optimizer as OptimizerConfig
+
+
+def test_the_float32_math_of_the_lean_step_is_torch_adamw():
+    """The lean path's arithmetic, run on float32 states, gives torch.optim.AdamW's for-loop numbers."""
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
+    param = torch.randn(64, 32, requires_grad=True)
+    initial = param.detach().clone()
+    reference = param.detach().clone().requires_grad_()
+    torch_adamw = torch.optim.AdamW([reference], lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1,
+                                    foreach=False)
+    ours = MuonWithAdamW([], [param], cfg, ns_dtype=torch.float32)
+    group, state = ours.param_groups[0], ours.state[param]
+    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+    for _ in range(4):
+        grad = torch.randn_like(param)
+        param.grad, reference.grad = grad.clone(), grad.clone()
+        with torch.no_grad():
+            MuonWithAdamW._low_precision_adamw(param, state, group)
+        torch_adamw.step()
+    torch.testing.assert_close(param, reference, rtol=0, atol=1e-6)
+    assert (param - initial).abs().max() > 1e-3  # the steps moved it
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_bfloat16_states_are_stored_in_bfloat16_and_stay_close_to_float32_states(name):
+    base = debug_model("llama3", "tiny")
+    batches = [torch.randint(0, 2048, (2, 33)) for _ in range(5)]
+    results = {}
+    for state_dtype in ("float32", "bfloat16"):
+        model = debug_model("llama3", "tiny")
+        model.load_state_dict(base.state_dict())
+        cfg = OptimizerConfig(name=name, state_dtype=state_dtype, muon_ns_dtype="float32", lr=3e-3)
+        optimizer = build_optimizer([model], cfg)
+        steps_of(optimizer, model, batches)
+        dtypes = {t.dtype for state in optimizer.state.values() for key, t in state.items() if key != "step"}
+        assert dtypes == {getattr(torch, state_dtype)}
+        results[state_dtype] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    start = torch.cat([p.detach().flatten() for p in base.parameters()])
+    moved = (results["float32"] - start).norm()
+    # bfloat16 keeps 8 bits of mantissa: the moments' rounding moves the weights by a small part of the update.
+    assert 0 < (results["bfloat16"] - results["float32"]).norm() < 0.05 * moved
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_a_run_resumed_with_bfloat16_states_repeats_the_straight_run_bitwise(tmp_path, name):
+    from torchtitan.train import main
+
+    def run(folder, steps):
+        argv = ["--job.config_file", "train_configs/tiny.toml", "--training.steps", str(steps), "--metrics.log_freq",
+                "1", "--training.mixed_precision_param", "float32", "--optimizer.name", name,
+                "--optimizer.state_dtype", "bfloat16", "--optimizer.muon_ns_dtype", "float32", "--checkpoint.enable",
+                "--checkpoint.interval", "2", "--checkpoint.last_save_model_only=false", f"--job.dump_folder={folder}"]
+        code, text = run_entry_point(main, argv)
+        assert code == 0, text[-3000:]
+        return [(r["step"], r["loss"], r["grad_norm"])
+                for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+    straight = run(tmp_path / "straight", 4)
+    (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    assert run(tmp_path / "resumed", 4) == straight[2:]
