@@ -78,8 +78,9 @@ def main() -> None:
     args = parser.parse_args()
     device = device_type()
     table = Table(["# Optimizer step and optimizer state per parameter", "",
-                   f"`python benchmarks/optimizer_states.py --repeats {args.repeats}`: float32 parameters, one process, "
-                   f"median step of {args.repeats} after two warm-up steps.", f"Environment: {environment()}.", "",
+                   f"`python benchmarks/optimizer_states.py --repeats {args.repeats}`: float32 parameters, one "
+                   f"process, median step of {args.repeats} after two warm-up steps.", f"Environment: {environment()}.",
+                   "",
                    "| model | optimizer | step (ms) | x AdamW float32 | state bytes / parameter (measured) | "
                    "(planner) |", "|---|---|---|---|---|---|"], args.output)
     for family, flavor, preset in MODELS:
