@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                         "and checkpoint.enable start from step-0 under any layout")
         else:
             trainer.train()
-    except DataError as e:
+    except (DataError, ConfigError) as e:  # ConfigError here: what only the launch shows (e.g. too few GPUs)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (TrainingError, CheckpointError, MetricsBackendError) as e:

@@ -6,6 +6,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan.config.loading import ConfigError
+
 
 def device_type() -> str:
     """'cuda' where a GPU is usable, else 'cpu'."""
@@ -36,7 +38,7 @@ def init_distributed(init_timeout_seconds: int) -> torch.device:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         gpus = torch.cuda.device_count()
         if local_world > gpus:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") mid-start-up
-            raise ValueError(f"{local_world} processes on this host (LOCAL_WORLD_SIZE) but only {gpus} visible "
+            raise ConfigError(f"{local_world} processes on this host (LOCAL_WORLD_SIZE) but only {gpus} visible "
                              f"GPU(s): launch at most {gpus} per host (torchrun --nproc_per_node), or train on the CPU "
                              "with CUDA_VISIBLE_DEVICES=''")
         device = torch.device("cuda", local_rank)
