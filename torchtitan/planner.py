@@ -289,6 +289,12 @@ def optimizer_states(cfg: JobConfig, in_block: bool) -> int:
     return 1 if cfg.optimizer.name == "Muon" and in_block else 2
 
 
+def optimizer_state_itemsize(cfg: JobConfig) -> int:
+    """Bytes per element of optimizer state: optimizer.state_dtype, or the parameters' dtype for float32."""
+    name = cfg.training.dtype if cfg.optimizer.state_dtype == "float32" else cfg.optimizer.state_dtype
+    return DTYPES[name].itemsize
+
+
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
     """The busiest device's peak: each pipeline rank is predicted and the largest total kept."""
     return max((rank_memory(m, cfg, layout, on_cpu, rank) for rank in pipeline_ranks(m, cfg, layout)),
@@ -312,9 +318,9 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     grads = params_local * s
     # Adam keeps two moments per parameter; Muon one momentum per block matrix (norms counted with them) and
     # AdamW's two for the embedding, head and final norm.
-    state_bytes = s if cfg.optimizer.state_dtype == "float32" else DTYPES[cfg.optimizer.state_dtype].itemsize
-    optimizer = (optimizer_states(cfg, in_block=True) * rank.blocks * m.block_params
-                 + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree * state_bytes
+    state_elements = (optimizer_states(cfg, in_block=True) * rank.blocks * m.block_params
+                      + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree
+    optimizer = state_elements * optimizer_state_itemsize(cfg)
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
     sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size
@@ -563,15 +569,16 @@ def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | No
         return None
     s = DTYPES[cfg.training.dtype].itemsize
     local = m.experts // layout.ep
-    # Stored sharded like everything else (over ep x the experts' FSDP = dp_shard x cp, and tp); the
-    # optimizer's two moments and the gradient triple the parameters' bytes.
+    # Stored sharded like everything else (over ep x the experts' FSDP = dp_shard x cp, and tp); the gradient
+    # and the optimizer's states add to the parameters' bytes (states in the parameters' bytes: a bfloat16
+    # moment of a float32 weight counts half).
     stored = m.routed_params * m.moe_layers / layout.pp / (layout.dp_shard * layout.cp * layout.tp) * s
-    adam = optimizer_states(cfg, in_block=True)
+    states = optimizer_states(cfg, in_block=True) * optimizer_state_itemsize(cfg) / s
     volume = all_to_all_bytes(m, cfg, layout)
     split = (f"{local} per EP rank (ep {layout.ep}, FSDP-sharded {layout.efsdp} ways more)" if layout.ep > 1 else
              f"no expert parallelism (FSDP-sharded {layout.fsdp_degree} ways)")
     return (f"experts: {m.experts} per MoE block, {split}; expert weights {stored / GIB:.3f} GiB per device "
-            f"({stored * (2 + adam) / GIB:.3f} GiB with gradients and optimizer state); "
+            f"({stored * (2 + states) / GIB:.3f} GiB with gradients and optimizer state); "
             f"all-to-all {volume / GIB:.3f} GiB sent per device per step")
 
 

@@ -137,6 +137,11 @@ def train_matrices(folder: Path, matrices: dict[str, Matrix]) -> dict[str, list[
     return results
 
 
+def runs_under(results: dict[str, list[dict] | str], prefix: str) -> dict[str, list[dict] | str]:
+    """One matrix's runs of a train_matrices result, by their names without the matrix's prefix."""
+    return {name[len(prefix):]: rows for name, rows in results.items() if name.startswith(prefix)}
+
+
 def rows_of(results: dict[str, list[dict] | str], name: str) -> list[dict]:
     """The metrics rows of one layout of a train_matrix, failing the test with the run's output if it has none."""
     rows = results[name]

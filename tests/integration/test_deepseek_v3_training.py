@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.integration.parity import Matrix, assert_same_steps, embedding_copies, rows_of
+from tests.integration.parity import Matrix, assert_same_steps, embedding_copies, rows_of, runs_under
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "6",
@@ -52,7 +52,7 @@ def suite_matrices(folder) -> dict[str, Matrix]:
 @pytest.fixture(scope="module")
 def runs(suite_runs):
     """This module's runs, by its own layout names."""
-    return {name[len("ds_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("ds_")}
+    return runs_under(suite_runs[1], "ds_")
 
 
 @pytest.mark.slow

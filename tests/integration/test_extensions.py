@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import run_command, run_module, torchrun_command
-from tests.integration.parity import Matrix, rows_of
+from tests.integration.parity import Matrix, rows_of, runs_under
 from tests.integration.test_training import make_trainer
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
@@ -95,7 +95,7 @@ def suite_matrices(folder) -> dict[str, Matrix]:
 
 @pytest.fixture(scope="module")
 def float8_runs(suite_runs):
-    return {name[len("float8_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("float8_")}
+    return runs_under(suite_runs[1], "float8_")
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tests.conftest import run_module
-from tests.integration.parity import STEPS, Matrix, assert_matches, read_rows, rows_of
+from tests.integration.parity import STEPS, Matrix, assert_matches, read_rows, rows_of, runs_under
 from torchtitan.inference import load_model
 
 CONFIG = "train_configs/qwen3_debug.toml"
@@ -81,7 +81,7 @@ def suite_matrices(folder) -> dict[str, Matrix]:
 
 @pytest.fixture(scope="module")
 def qwen3_runs(suite_runs):
-    return {name[len("qwen3_"):]: rows for name, rows in suite_runs[1].items() if name.startswith("qwen3_")}
+    return runs_under(suite_runs[1], "qwen3_")
 
 
 @pytest.mark.slow

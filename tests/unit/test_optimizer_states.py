@@ -11,7 +11,7 @@ import torch
 from tests.bad_input import run_entry_point
 from tests.unit.test_muon import debug_model, steps_of
 from torchtitan.components.muon import MuonWithAdamW
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizer import KERNEL_FLAGS, build_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 
@@ -23,7 +23,7 @@ def test_the_float32_math_of_the_lean_step_is_torch_adamw():
     reference = param.detach().clone().requires_grad_()
     torch_adamw = torch.optim.AdamW([reference], lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1,
                                     foreach=False)
-    ours = MuonWithAdamW([], [param], cfg, ns_dtype=torch.float32)
+    ours = MuonWithAdamW([], [param], cfg, KERNEL_FLAGS["for-loop"], ns_dtype=torch.float32)
     group, state = ours.param_groups[0], ours.state[param]
     state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
     for _ in range(4):

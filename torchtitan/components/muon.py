@@ -33,6 +33,7 @@ from torch.optim.adam import adam
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.log import logger
+from torchtitan.models.moe import Router
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -82,8 +83,6 @@ def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.P
                                                             list[tuple[str, nn.Parameter]]]:
     """(Muon's, AdamW's) named trainable parameters: Muon takes the 2-D and stacked 3-D matrices inside the
     transformer blocks (any module under ``layers``), except router gates; AdamW takes the rest."""
-    from torchtitan.models.moe import Router
-
     muon, adamw = [], []
     for part in model_parts:
         routers = [name + "." for name, module in part.named_modules() if isinstance(module, Router)]
@@ -104,18 +103,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """One optimizer with a "muon" and an "adamw" parameter group (see the module doc); the lr scheduler scales
     both groups' lr alike. Either group may be empty: AdamW with bfloat16 states is this class without Muon.
 
-    ``state_dtype`` (None: the parameters' dtype) is the dtype the moments and momentum buffers are stored in;
+    ``kernel_flags`` are the AdamW group's ``fused``/``foreach`` (optimizer.implementation); ``state_dtype`` (None:
+    the parameters' dtype) is the dtype the moments and momentum buffers are stored in;
     with a dtype other than the parameters', each step reads them into float32, updates, and rounds them back.
     """
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], cfg: OptimizerConfig,
-                 ns_dtype: torch.dtype, state_dtype: torch.dtype | None = None):
-        impl = {"fused": (True, False), "foreach": (False, True), "for-loop": (False, False)}[cfg.implementation]
+                 kernel_flags: dict[str, bool], ns_dtype: torch.dtype, state_dtype: torch.dtype | None = None):
         defaults = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
         groups = [dict(params=muon_params, kind="muon", momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
                        ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_adjust_lr),
                   dict(params=adamw_params, kind="adamw", betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                       fused=impl[0], foreach=impl[1])]
+                       **kernel_flags)]
         super().__init__([g for g in groups if g["params"]], defaults)
         self.ns_dtype, self.state_dtype = ns_dtype, state_dtype
 
@@ -159,13 +158,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             state = self.state[param]
+            lean = (self.state_dtype or param.dtype) != param.dtype
             if not state:
-                # As torch.optim.AdamW keeps it: a float32 count, on the parameter's device for the fused kernel.
-                device = param.device if group["fused"] else None
+                # As torch.optim.AdamW keeps it: a float32 count, on the parameter's device for the fused kernel
+                # (the lean step reads it on the host, per parameter, so there it stays on the host).
+                device = param.device if group["fused"] and not lean else None
                 state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                 state["exp_avg"] = self._new_state(param)
                 state["exp_avg_sq"] = self._new_state(param)
-            if state["exp_avg"].dtype != param.dtype:
+            if lean:
                 self._low_precision_adamw(param, state, group)
                 continue
             params.append(param)
@@ -177,7 +178,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
             adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], fused=group["fused"],
                  decoupled_weight_decay=True, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-
 
     @staticmethod
     def _low_precision_adamw(param: torch.Tensor, state: dict, group: dict) -> None:
@@ -195,8 +195,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"].copy_(exp_avg_sq)
 
 
-def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: torch.dtype,
-               state_dtype: torch.dtype | None) -> MuonWithAdamW:
+def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, kernel_flags: dict[str, bool],
+               ns_dtype: torch.dtype, state_dtype: torch.dtype | None) -> MuonWithAdamW:
     muon, adamw = split_parameters(model_parts)
 
     def listed(named: list) -> str:
@@ -205,4 +205,4 @@ def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, ns_dtype: tor
 
     logger.info(f"optimizer Muon: {len(muon)} matrices by Muon ({listed(muon)}); {len(adamw)} parameters by AdamW "
                 f"({listed(adamw)})")
-    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, ns_dtype, state_dtype)
+    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, kernel_flags, ns_dtype, state_dtype)

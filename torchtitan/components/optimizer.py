@@ -7,6 +7,13 @@ from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.grad_norm import clip_grads_, clip_scale
 from torchtitan.hardware import DTYPES
 
+# optimizer.implementation as PyTorch's optimizer flags.
+KERNEL_FLAGS = {
+    "fused": {"fused": True, "foreach": False},
+    "foreach": {"fused": False, "foreach": True},
+    "for-loop": {"fused": False, "foreach": False},
+}
+
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (several with pipeline parallelism): AdamW/Adam,
@@ -20,16 +27,13 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
         ns_dtype = cfg.muon_ns_dtype
         if ns_dtype == "auto":
             ns_dtype = resolve_compute_dtype("auto", params[0].device.type if params else "cpu")[0]
-        return build_muon(model_parts, cfg, DTYPES[ns_dtype], state_dtype)
+        return build_muon(model_parts, cfg, KERNEL_FLAGS[cfg.implementation], DTYPES[ns_dtype], state_dtype)
     if state_dtype is not None:  # AdamW (config_check refuses Adam) keeping its moments in a lower precision
         from torchtitan.components.muon import MuonWithAdamW
 
-        return MuonWithAdamW([], params, cfg, ns_dtype=torch.float32, state_dtype=state_dtype)
-    impl = {
-        "fused": {"fused": True, "foreach": False},
-        "foreach": {"fused": False, "foreach": True},
-        "for-loop": {"fused": False, "foreach": False},
-    }[cfg.implementation]
+        return MuonWithAdamW([], params, cfg, KERNEL_FLAGS[cfg.implementation], ns_dtype=torch.float32,
+                             state_dtype=state_dtype)
+    impl = KERNEL_FLAGS[cfg.implementation]
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     return cls(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
