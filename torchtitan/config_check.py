@@ -113,6 +113,10 @@ def _check_optimizer(c: _Checker) -> None:
     c.require("optimizer.muon_ns_steps", 1 <= o.muon_ns_steps < 100, "is invalid; it must be in [1, 99]")
     c.require("optimizer.state_dtype", o.state_dtype == "float32" or o.name != "Adam",
               "is built for AdamW and Muon; with optimizer.name = 'Adam' it must be float32")
+    for key in (f"optimizer.{f.name}" for f in dataclasses.fields(o) if f.name.startswith("muon_")):
+        c.require(key, o.name == "Muon" or key not in c.sources,
+                  f"is read by Muon alone; optimizer.name = {o.name!r} would ignore it (set optimizer.name = 'Muon' "
+                  "or leave it out)")
     c.require("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "is invalid; it must be >= 0")
     c.require("lr_scheduler.decay_ratio", s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
               "is invalid; it must be in [0, 1] or unset")

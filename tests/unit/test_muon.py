@@ -141,3 +141,14 @@ def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line_and_loads_mode
                           unchanged=before)
     code, text = run_entry_point(main, [*more, "--checkpoint.exclude_from_loading", "optimizer"])
     assert code == 0 and "resumed from step 2" in text, text[-3000:]
+
+
+def test_a_muon_option_without_muon_is_refused_not_ignored(tmp_path):
+    from tests.bad_input import assert_one_line_error
+    from torchtitan.train import main
+
+    argv = ["--job.config_file", "train_configs/tiny.toml", f"--job.dump_folder={tmp_path}",
+            "--optimizer.muon_momentum", "0.9"]
+    assert_one_line_error(main, argv, "optimizer.muon_momentum = 0.9 is read by Muon alone",
+                          "optimizer.name = 'AdamW' would ignore it")
+    assert not (tmp_path / "metrics.jsonl").exists()
