@@ -113,8 +113,13 @@ def _check_optimizer(c: _Checker) -> None:
     c.require("optimizer.muon_ns_steps", 1 <= o.muon_ns_steps < 100, "is invalid; it must be in [1, 99]")
     c.require("optimizer.state_dtype", o.state_dtype == "float32" or o.name != "Adam",
               "is built for AdamW and Muon; with optimizer.name = 'Adam' it must be float32")
-    for key in (f"optimizer.{f.name}" for f in dataclasses.fields(o) if f.name.startswith("muon_")):
-        c.require(key, o.name == "Muon" or key not in c.sources,
+    # A file may list every field at its default (scripts/generate_config.py writes them all): only a changed one
+    # would be ignored.
+    default = type(o)()
+    for f in (f for f in dataclasses.fields(o) if f.name.startswith("muon_")):
+        key = f"optimizer.{f.name}"
+        changed = key in c.sources and getattr(o, f.name) != getattr(default, f.name)
+        c.require(key, o.name == "Muon" or not changed,
                   f"is read by Muon alone; optimizer.name = {o.name!r} would ignore it (set optimizer.name = 'Muon' "
                   "or leave it out)")
     c.require("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "is invalid; it must be >= 0")
