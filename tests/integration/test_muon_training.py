@@ -1,19 +1,24 @@
 """optimizer.name = "Muon" in parallel layouts: 6 fp32 steps match the single process within 1e-5 (loss and grad
-norm) under FSDP 2, TP 2, PP 2, FSDP 2 x TP 2 and HSDP 2 x 2 (debug model) and EP 2, EP 2 x TP 2 (qwen3_moe).
+norm) under FSDP 2, TP 2, PP 2, FSDP 2 x TP 2 and HSDP 2 x 2 (debug model) and EP 2, EP 2 x TP 2 (qwen3_moe); under
+FSDP 2 and EP 2, each matrix is orthogonalised on exactly one rank per step (muon_count_worker.py counts them).
 
 The Newton-Schulz matmuls run in float32 here, so a layout's sharded sums, not bfloat16 rounding of slightly
 different inputs, are all that can differ.
 """
 
+import json
+
 import pytest
 
 from tests.integration.parity import Matrix, rows_of
 
+COUNTED = "tests.integration.muon_count_worker:main"
+
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--training.steps", "6",
         "--optimizer.lr", "2e-3"]
 DEBUG_LAYOUTS = {
-    "muon_single": (1, [*MUON, "--training.local_batch_size", "8"]),
-    "muon_fsdp2": (2, [*MUON, "--training.local_batch_size", "4"]),
+    "muon_single": (1, [*MUON, "--training.local_batch_size", "8"], COUNTED),
+    "muon_fsdp2": (2, [*MUON, "--training.local_batch_size", "4"], COUNTED),
     "muon_tp2": (2, [*MUON, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
     "muon_pp2": (2, [*MUON, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
     "muon_fsdp2_tp2": (4, [*MUON, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
@@ -24,8 +29,8 @@ MOE_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len
               "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600", *MUON]
 EP2 = ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]
 MOE_LAYOUTS = {
-    "single": (1, ["--training.local_batch_size", "8"]),
-    "ep2": (2, EP2),
+    "single": (1, ["--training.local_batch_size", "8"], COUNTED),
+    "ep2": (2, EP2, COUNTED),
     "ep2_tp2": (4, [*EP2, "--parallelism.tensor_parallel_degree", "2"]),
 }
 
@@ -61,3 +66,24 @@ def test_muon_matches_the_single_process(debug_runs, layout):
 def test_muon_matches_the_single_process_under_expert_parallelism(suite_runs, layout):
     runs = suite_runs[1]
     assert_within_1e5(rows_of(runs, f"muon_moe_{layout}"), rows_of(runs, "muon_moe_single"), learns=False)
+
+
+def counts(folder, nproc: int) -> list[dict]:
+    return [json.loads((folder / f"muon-rank{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["muon_fsdp2", "muon_moe_ep2"])
+def test_each_matrix_is_orthogonalised_on_one_rank_per_step(suite_runs, layout):
+    folder, runs = suite_runs
+    single = layout.replace("fsdp2", "single").replace("ep2", "single")
+    rows_of(runs, layout), rows_of(runs, single)  # both ran
+    (reference,) = counts(folder / single, 1)
+    ranks = counts(folder / layout, 2)
+    assert reference["steps"] == 6 and reference["matrices"] == 6 * len(reference["owned"])
+    # The ranks' owned matrices are the single process's, each on exactly one rank, and both ranks have work.
+    owned = [name for rank in ranks for name in rank["owned"]]
+    assert sorted(owned) == sorted(reference["owned"])
+    assert all(rank["owned"] for rank in ranks)
+    for rank in ranks:  # and Newton-Schulz ran on exactly those, once per step
+        assert rank["steps"] == 6 and rank["matrices"] == 6 * len(rank["owned"])

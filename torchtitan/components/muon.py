@@ -17,9 +17,10 @@ gives the update AdamW's typical RMS, so AdamW's lr and weight decay carry over)
 cols input features whatever the storage: an nn.Linear weight is [out, in], a stacked expert [experts, in, out].
 
 The numbers for a 2-D matrix are torch.optim.Muon's (same operations in the same order); the AdamW group is
-torch's functional AdamW. Parameters sharded as DTensors (FSDP, TP, EP) are orthogonalised whole: the update is
-gathered, orthogonalised, and each rank keeps its own shard. Every rank of the matrix's mesh does this work; a
-scheme that orthogonalises each matrix on one owner rank is not built yet.
+torch's functional AdamW. Parameters sharded as DTensors (FSDP, TP, EP and their mixes) are orthogonalised whole
+and once per step: each matrix (each expert of a stack) has one owner rank, which receives the pieces of the
+update (in the Newton-Schulz dtype), orthogonalises, and sends every holder its piece back
+(distributed/whole_matrices.py; docs/optimizers.md says how the work and the traffic divide).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
+from torchtitan.distributed.whole_matrices import WholeMatrices
 from torchtitan.log import logger
 from torchtitan.models.moe import Router
 
@@ -71,14 +74,6 @@ def lr_factor(rule: str, param: torch.Tensor) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def _orthogonalize(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """newton_schulz of the whole matrix; for a DTensor, this rank's shard of it (as a DTensor)."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, steps, dtype)
-    whole = newton_schulz(update.full_tensor(), steps, dtype)
-    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
-
-
 def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter]],
                                                             list[tuple[str, nn.Parameter]]]:
     """(Muon's, AdamW's) named trainable parameters: Muon takes the 2-D and stacked 3-D matrices inside the
@@ -109,7 +104,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], cfg: OptimizerConfig,
-                 kernel_flags: dict[str, bool], ns_dtype: torch.dtype, state_dtype: torch.dtype | None = None):
+                 kernel_flags: dict[str, bool], ns_dtype: torch.dtype, state_dtype: torch.dtype | None = None,
+                 muon_names: list[str] | None = None):
         defaults = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
         groups = [dict(params=muon_params, kind="muon", momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
                        ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_adjust_lr),
@@ -117,6 +113,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
                        **kernel_flags)]
         super().__init__([g for g in groups if g["params"]], defaults)
         self.ns_dtype, self.state_dtype = ns_dtype, state_dtype
+        # The owner plan, when any rank's Muon matrices are DTensors (all ranks then take part in its collectives).
+        names = muon_names or [f"muon[{i}]" for i in range(len(muon_params))]
+        sharded = any(isinstance(p, DTensor) for p in muon_params)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(sharded)])  # a CPU tensor: gloo, which every backend() includes, reduces it
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            sharded = bool(flag.item())
+        self.whole_matrices = WholeMatrices(muon_params, names) if sharded else None
 
     def _new_state(self, param: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(param, dtype=self.state_dtype or param.dtype, memory_format=torch.preserve_format)
@@ -136,8 +140,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
+        updates = []
         for param in group["params"]:
             if param.grad is None:
+                updates.append(None)
                 continue
             state = self.state[param]
             if "momentum_buffer" not in state:
@@ -147,10 +153,45 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf.lerp_(param.grad, 1 - momentum)
             if buf is not stored:
                 stored.copy_(buf)
-            update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = _orthogonalize(update, group["ns_steps"], self.ns_dtype)
+            updates.append(param.grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        for param, update in zip(group["params"], self._orthogonalize(updates, group["ns_steps"])):
+            if param.grad is None:
+                continue
             param.mul_(1 - lr * group["weight_decay"])
             param.add_(update, alpha=-lr * lr_factor(group["adjust_lr"], param))
+
+    def _orthogonalize(self, updates: list[torch.Tensor | None], steps: int) -> list[torch.Tensor | None]:
+        """newton_schulz of each update: plain tensors here, DTensors' whole matrices on their owner ranks."""
+        out = [None if u is None or isinstance(u, DTensor) else newton_schulz(u, steps, self.ns_dtype)
+               for u in updates]
+        if self.whole_matrices is None:
+            return out
+        pieces = []
+        for param, update in zip(self.whole_matrices.params, updates):
+            if not isinstance(param, DTensor):
+                pieces.append(None)
+            else:  # a parameter without a gradient contributes zeros, and its result is dropped
+                local = param.to_local() if update is None else update.to_local()
+                pieces.append(local.to(self.ns_dtype) if update is not None else torch.zeros_like(
+                    local, dtype=self.ns_dtype))
+        whole = self.whole_matrices.gather(pieces)
+        results = {}
+        stacked: dict[tuple, list[str]] = {}  # experts of the same shape go through one batched call
+        for matrix in self.whole_matrices.owned:
+            if matrix.expert is None:
+                results[matrix.name] = newton_schulz(whole[matrix.name], steps, self.ns_dtype)
+            else:
+                stacked.setdefault(matrix.shape, []).append(matrix.name)
+        for names in stacked.values():
+            for name, result in zip(names, newton_schulz(torch.stack([whole[n] for n in names]), steps,
+                                                         self.ns_dtype)):
+                results[name] = result
+        mine = self.whole_matrices.scatter(results, pieces)
+        for i, (update, local) in enumerate(zip(updates, mine)):
+            if update is not None and local is not None:
+                out[i] = DTensor.from_local(local, update.device_mesh, update.placements, run_check=False,
+                                            shape=update.shape, stride=update.stride())
+        return out
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -205,4 +246,5 @@ def build_muon(model_parts: list[nn.Module], cfg: OptimizerConfig, kernel_flags:
 
     logger.info(f"optimizer Muon: {len(muon)} matrices by Muon ({listed(muon)}); {len(adamw)} parameters by AdamW "
                 f"({listed(adamw)})")
-    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, kernel_flags, ns_dtype, state_dtype)
+    return MuonWithAdamW([p for _, p in muon], [p for _, p in adamw], cfg, kernel_flags, ns_dtype, state_dtype,
+                         muon_names=[name for name, _ in muon])
