@@ -111,11 +111,17 @@ def _check_optimizer(c: _Checker) -> None:
     c.require("optimizer.weight_decay", o.weight_decay >= 0, "is invalid; it must be >= 0")
     c.require("optimizer.muon_momentum", 0 <= o.muon_momentum < 1, "is invalid; it must be in [0, 1)")
     c.require("optimizer.muon_ns_steps", 1 <= o.muon_ns_steps < 100, "is invalid; it must be in [1, 99]")
-    c.require("optimizer.state_dtype", o.state_dtype == "float32" or o.name != "Adam",
-              "is built for AdamW and Muon; with optimizer.name = 'Adam' it must be float32")
+    c.require("optimizer.state_dtype", o.state_dtype == "float32" or o.name in ("AdamW", "Muon"),
+              f"is built for AdamW and Muon; with optimizer.name = {o.name!r} it must be float32 (AdamW8bit "
+              "keeps its moments in its own 8 bits)")
     # A file may list every field at its default (scripts/generate_config.py writes them all): only a changed one
     # would be ignored.
     default = type(o)()
+    low_bit = o.name == "AdamW8bit"
+    c.require("optimizer.implementation", not (low_bit and "optimizer.implementation" in c.sources
+                                              and o.implementation != default.implementation),
+              f"chooses PyTorch's AdamW kernels; optimizer.name = {o.name!r} compiles torchao's own step and would "
+              "ignore it (leave it out)")
     for f in (f for f in dataclasses.fields(o) if f.name.startswith("muon_")):
         key = f"optimizer.{f.name}"
         changed = key in c.sources and getattr(o, f.name) != getattr(default, f.name)

@@ -320,7 +320,7 @@ class Trainer:
             for step in range(self.step + 1, cfg.steps + 1):
                 if step % cfg.gc_freq == 0:
                     gc.collect(1)
-                lr = self.lr_scheduler.get_last_lr()[0]
+                lr = float(self.lr_scheduler.get_last_lr()[0])  # a tensor for torchao's optimizers
                 data_start = time.perf_counter()
                 microbatches = [next(self.data_iterator) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - data_start

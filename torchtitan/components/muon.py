@@ -122,6 +122,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
             sharded = bool(flag.item())
         self.whole_matrices = WholeMatrices(muon_params, names) if sharded else None
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim.Optimizer.load_state_dict casts every state tensor but "step" to its parameter's dtype: put
+        # lower-precision moments back in their dtype, or the resumed run would keep them in float32 (more memory,
+        # and no longer the uninterrupted run's rounding).
+        super().load_state_dict(state_dict)
+        if self.state_dtype is None:
+            return
+        for state in self.state.values():
+            for key, value in state.items():
+                if key != "step" and value.is_floating_point():
+                    state[key] = value.to(self.state_dtype)
+
     def _new_state(self, param: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(param, dtype=self.state_dtype or param.dtype, memory_format=torch.preserve_format)
 

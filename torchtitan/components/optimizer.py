@@ -17,7 +17,8 @@ KERNEL_FLAGS = {
 
 def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (several with pipeline parallelism): AdamW/Adam,
-    or Muon with AdamW for the parameters that are not hidden matrices (components/muon.py)."""
+    Muon with AdamW for the parameters that are not hidden matrices (components/muon.py), or AdamW with
+    8-bit moments (components/adamw_8bit.py)."""
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     state_dtype = None if cfg.state_dtype == "float32" else DTYPES[cfg.state_dtype]
     if cfg.name == "Muon":
@@ -28,6 +29,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
         if ns_dtype == "auto":
             ns_dtype = resolve_compute_dtype("auto", params[0].device.type if params else "cpu")[0]
         return build_muon(model_parts, cfg, KERNEL_FLAGS[cfg.implementation], DTYPES[ns_dtype], state_dtype)
+    if cfg.name == "AdamW8bit":
+        from torchtitan.components.adamw_8bit import build_adamw_8bit
+
+        return build_adamw_8bit(params, cfg)
     if state_dtype is not None:  # AdamW (config_check refuses Adam) keeping its moments in a lower precision
         from torchtitan.components.muon import MuonWithAdamW
 

@@ -67,15 +67,16 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "Muon"] = option(
-        "AdamW", "Optimizer; Muon updates the hidden matrices and AdamW (these betas, eps) the other parameters")
+    name: Literal["AdamW", "Adam", "Muon", "AdamW8bit"] = option(
+        "AdamW", "Optimizer; Muon updates the hidden matrices and AdamW (these betas, eps) the other parameters; "
+        "AdamW8bit keeps AdamW's moments in 8 bits (torchao)")
     lr: float = option(8e-4, "Peak learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
     eps: float = option(1e-8, "Adam epsilon")
     weight_decay: float = option(0.1, "Weight decay (decoupled for AdamW and Muon)")
     implementation: Literal["fused", "foreach", "for-loop"] = option(
-        "fused", "Optimizer kernel implementation (for Muon: of its AdamW group)")
+        "fused", "Optimizer kernel implementation (for Muon: of its AdamW group; AdamW8bit compiles its own)")
     state_dtype: Literal["float32", "bfloat16"] = option(
         "float32", "dtype the optimizer keeps its moments (Muon: momentum) in; the update math runs in float32 either "
         "way; float32 keeps them as PyTorch does, in the parameters' dtype (training.dtype)")
