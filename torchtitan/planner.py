@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchtitan.components.adamw_8bit import BLOCK_SIZE, MIN_QUANTIZED_NUMEL
 from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.muon import split_parameters
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -77,6 +79,9 @@ class ModelShape:
     routed_params: int = 0
     mtp_blocks: int = 0  # of n_layers, the multi-token prediction blocks (on the last pipeline stage)
     tied: bool = False  # the output head is the embedding table
+    # Every parameter tensor as (elements, where, muon): where is "block", "embedding" or "head" (the final norm
+    # and output); muon says whether optimizer.name = "Muon" gives it to Muon (components/muon.split_parameters).
+    tensors: tuple[tuple[int, str, bool], ...] = ()
 
     @property
     def routed_params_per_block(self) -> float:
@@ -140,6 +145,11 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     # Per-block counts are averaged over the blocks: a MoE family may keep its first blocks dense.
     per_block = sum(p.numel() for b in blocks for p in b.parameters()) // len(blocks)
     linear = sum(m.weight.numel() for b in blocks for m in b.modules() if isinstance(m, nn.Linear)) // len(blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    muon = {id(p) for _, p in split_parameters([model])[0]}
+    tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if p.ndim == 2 and
+                     any(p is e.weight for e in model.modules() if isinstance(e, nn.Embedding)) else "head",
+                     id(p) in muon) for p in model.parameters())
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
@@ -150,7 +160,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
-        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings,
+        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors,
     )
 
 
@@ -284,15 +294,44 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
     return ranks
 
 
-def optimizer_states(cfg: JobConfig, in_block: bool) -> int:
-    """Optimizer state tensors per parameter, each the size of the parameter (components/muon.py for Muon's)."""
-    return 1 if cfg.optimizer.name == "Muon" and in_block else 2
-
-
 def optimizer_state_itemsize(cfg: JobConfig) -> int:
     """Bytes per element of optimizer state: optimizer.state_dtype, or the parameters' dtype for float32."""
     name = cfg.training.dtype if cfg.optimizer.state_dtype == "float32" else cfg.optimizer.state_dtype
     return DTYPES[name].itemsize
+
+
+def low_bit_moment_bytes(local_elements: int) -> float | None:
+    """One AdamW8bit moment of a tensor with this many elements on the rank, or None where torchao keeps it
+    unquantised (components/adamw_8bit.py): a byte per code, a float32 scale per block, the 256-entry code map."""
+    if local_elements < MIN_QUANTIZED_NUMEL or local_elements % BLOCK_SIZE:
+        return None
+    return local_elements + 4 * local_elements / BLOCK_SIZE + 4 * 256
+
+
+def tensor_state_bytes(cfg: JobConfig, local_elements: float, muon: bool) -> float:
+    """Optimizer-state bytes of one parameter tensor holding ``local_elements`` on the rank: AdamW's two moments
+    (8-bit ones by torchao's rule for AdamW8bit), or one momentum buffer for a Muon matrix."""
+    itemsize = optimizer_state_itemsize(cfg)
+    if cfg.optimizer.name == "Muon" and muon:
+        return local_elements * itemsize
+    if cfg.optimizer.name == "AdamW8bit":
+        quantized = low_bit_moment_bytes(int(local_elements))
+        if quantized is not None:
+            return 2 * quantized
+    return 2 * local_elements * itemsize
+
+
+def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, shards: int,
+                          embedding_copies: int) -> float:
+    """The optimizer state on a pipeline rank, its tensors split ``shards`` ways (TP x FSDP) like its parameters,
+    with ``embedding_copies`` of the embedding's state."""
+    total = 0.0
+    for elements, where, muon in m.tensors:
+        copies = (rank.blocks / m.n_layers if where == "block" else embedding_copies if where == "embedding"
+                  else int(rank.last))
+        if copies:
+            total += copies * tensor_state_bytes(cfg, elements / shards, muon)
+    return total
 
 
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
@@ -316,11 +355,8 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
     grads = params_local * s
-    # Adam keeps two moments per parameter; Muon one momentum per block matrix (norms counted with them) and
-    # AdamW's two for the embedding, head and final norm.
-    state_elements = (optimizer_states(cfg, in_block=True) * rank.blocks * m.block_params
-                      + optimizer_states(cfg, in_block=False) * head_params) / tp / layout.fsdp_degree
-    optimizer = state_elements * optimizer_state_itemsize(cfg)
+    embedding_copies = int(rank.first) + int(rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied))
+    optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
     sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size
@@ -573,7 +609,8 @@ def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | No
     # and the optimizer's states add to the parameters' bytes (states in the parameters' bytes: a bfloat16
     # moment of a float32 weight counts half).
     stored = m.routed_params * m.moe_layers / layout.pp / (layout.dp_shard * layout.cp * layout.tp) * s
-    states = optimizer_states(cfg, in_block=True) * optimizer_state_itemsize(cfg) / s
+    stack = stored / s / max(1, 3 * m.moe_layers / layout.pp)  # elements of one of a block's three expert stacks
+    states = tensor_state_bytes(cfg, stack, muon=True) / (stack * s) if stack else 0.0
     volume = all_to_all_bytes(m, cfg, layout)
     split = (f"{local} per EP rank (ep {layout.ep}, FSDP-sharded {layout.efsdp} ways more)" if layout.ep > 1 else
              f"no expert parallelism (FSDP-sharded {layout.fsdp_degree} ways)")

@@ -93,3 +93,41 @@ def test_loaded_bfloat16_states_stay_bfloat16(name):
     for state in optimizers[1].state.values():
         assert {key: t.dtype for key, t in state.items() if key != "step"} == {
             key: torch.bfloat16 for key in state if key != "step"}
+
+
+def _state_bytes(tensor) -> int:
+    if hasattr(tensor, "qmap"):  # torchao's 8-bit state: codes, a scale per block, the code map
+        return sum(_state_bytes(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
+    return tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("preset", ["train_configs/debug_model.toml", "train_configs/qwen3_moe_debug.toml",
+                                    "train_configs/deepseek_v3_debug.toml"])
+def test_the_planner_counts_the_optimizer_state_that_is_allocated(preset):
+    """Per optimizer choice, the planner's optimizer bytes for the preset equal those of the states the optimizer
+    allocates for the preset's model (AdamW8bit: torchao's buffers, quantised or not by its own rule)."""
+    from torchtitan.config import load_config
+    from torchtitan.planner import model_shape, predict_memory, resolve_layout
+    from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+
+    model = None
+    for name, state_dtype in [("AdamW", "float32"), ("AdamW", "bfloat16"), ("Muon", "float32"),
+                              ("Muon", "bfloat16"), ("AdamW8bit", "float32")]:
+        job, _ = load_config(["--job.config_file", preset, "--training.mixed_precision_param", "float32",
+                              "--optimizer.name", name, "--optimizer.state_dtype", state_dtype,
+                              "--optimizer.implementation", "for-loop" if name != "AdamW8bit" else "fused"])
+        shape = model_shape(job)
+        if model is None:
+            spec = get_train_spec(job.model.name)
+            model = spec.model_cls(build_model_args(spec, job.model, shape.vocab, job.training.seq_len))
+        optimizer = build_optimizer([model], job.optimizer)
+        if name == "AdamW8bit":  # the buffers its first step would make, without compiling the step
+            states = [optimizer._new_buffer(p, signed) for p in model.parameters() for signed in (True, False)]
+        else:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            states = [t for s in optimizer.state.values() for key, t in s.items() if key != "step"]
+        measured = sum(_state_bytes(t) for t in states)
+        planned = predict_memory(shape, job, resolve_layout(job, 1), on_cpu=True).optimizer
+        assert planned == pytest.approx(measured, rel=1e-3), (name, state_dtype)
