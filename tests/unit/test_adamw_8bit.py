@@ -42,6 +42,7 @@ def test_values_from_other_blocks_are_quantised_as_torchao_does():
     assert torch.equal(ours.codes, theirs.codes) and torch.equal(ours.scale, theirs.scale)
 
 
+@pytest.mark.slow  # torchao compiles its step
 def test_a_state_dict_round_trip_keeps_the_steps_bitwise():
     """Load a state dict into a fresh optimizer: it holds 8-bit moments again, and its next steps are the
     original's, bit for bit (a large matrix, quantised; a vector, kept in float32)."""
