@@ -1,5 +1,5 @@
 """300 steps of the debug model per optimizer choice: an lr sweep for AdamW and Muon, then the lean states at
-AdamW's best lr; final losses, the step at which each run first reaches AdamW's best final loss, and the curves.
+the best lr of the optimizer they vary; final losses, the step at which each run first reaches AdamW's best final loss, and the curves.
 
     python benchmarks/optimizer_sweep.py [--steps 300] [--runs-folder outputs/optimizer_sweep]
         [--output benchmarks/results/optimizer_sweep_cpu.md] [--only "AdamW lr 8e-4;Muon lr 8e-4"]
@@ -20,13 +20,14 @@ import sys
 
 from report import Table, environment
 
-LRS = ("4e-4", "8e-4", "1.6e-3")
-SWEPT = {f"{name} lr {lr}": ["--optimizer.name", name, "--optimizer.lr", lr] for name in ("AdamW", "Muon")
-         for lr in LRS}
-# At AdamW's best lr (the sweep's middle point unless the sweep says otherwise; filled in by best_adamw_lr).
-LEAN = {"AdamW, bfloat16 states": ["--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16"],
-        "AdamW8bit": ["--optimizer.name", "AdamW8bit"],
-        "Muon, bfloat16 states": ["--optimizer.name", "Muon", "--optimizer.state_dtype", "bfloat16"]}
+# Three points a factor of 2 apart per optimizer, placed so that the best is not at an end where the runs allow.
+LRS = {"AdamW": ("8e-4", "1.6e-3", "3.2e-3"), "Muon": ("8e-4", "1.6e-3", "3.2e-3")}
+SWEPT = {f"{name} lr {lr}": ["--optimizer.name", name, "--optimizer.lr", lr] for name, lrs in LRS.items()
+         for lr in lrs}
+# Each at the best lr of the sweep of the optimizer it is a variant of.
+LEAN = {"AdamW, bfloat16 states": ("AdamW", ["--optimizer.name", "AdamW", "--optimizer.state_dtype", "bfloat16"]),
+        "AdamW8bit": ("AdamW", ["--optimizer.name", "AdamW8bit"]),
+        "Muon, bfloat16 states": ("Muon", ["--optimizer.name", "Muon", "--optimizer.state_dtype", "bfloat16"])}
 COMMON = ["--job.config_file", "train_configs/debug_model.toml", "--training.local_batch_size", "8",
           "--training.seq_len", "256", "--lr_scheduler.warmup_steps", "10", "--checkpoint.enable", "false"]
 CURVE_EVERY = 25
@@ -75,12 +76,16 @@ def main() -> None:
     for name, options in SWEPT.items():
         if not only or name in only:
             curves[name] = train(name, options, args.steps, args.runs_folder)
+    best_lr = {}
+    for optimizer in LRS:
+        swept = {name: curve for name, curve in curves.items() if name.startswith(f"{optimizer} lr") and curve}
+        best_lr[optimizer] = min(swept, key=lambda name: final(swept[name])).split()[-1] if swept else "1.6e-3"
     adamw = {name: curve for name, curve in curves.items() if name.startswith("AdamW lr") and curve}
-    best_lr = min(adamw, key=lambda name: final(adamw[name])).split()[-1] if adamw else "8e-4"
-    for name, options in LEAN.items():
+    for name, (variant_of, options) in LEAN.items():
         if not only or name in only:
-            curves[f"{name} (lr {best_lr})"] = train(f"{name} lr {best_lr}", options + ["--optimizer.lr", best_lr],
-                                                     args.steps, args.runs_folder)
+            lr = best_lr[variant_of]
+            curves[f"{name} (lr {lr})"] = train(f"{name} lr {lr}", options + ["--optimizer.lr", lr], args.steps,
+                                                args.runs_folder)
 
     target = min((final(curve) for curve in adamw.values()), default=None)
     table = Table([f"# Optimizers on the debug model, {args.steps} steps", "", environment(), "",

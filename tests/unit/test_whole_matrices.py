@@ -37,7 +37,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    from torchtitan.components.muon import MuonWithAdamW, newton_schulz
+    from torchtitan.components import muon
+    from torchtitan.components.muon import MuonWithAdamW
     from torchtitan.config.job_config import Optimizer as OptimizerConfig
     from torchtitan.distributed.whole_matrices import WholeMatrices
 
@@ -81,16 +82,19 @@ def _worker(rank: int, port: int, out: str) -> None:
     optimizers = [MuonWithAdamW(ps, [], cfg, {"fused": False, "foreach": False}, torch.float32, muon_names=names)
                   for ps in (sharded, plain)]
     calls = []
+    counted = muon.newton_schulz
+
+    def counting(x, *args):
+        calls.append(x.shape[0] if x.ndim == 3 else 1)
+        return counted(x, *args)
+
     generator = torch.Generator().manual_seed(1)
     for _ in range(5):
         for s, p in zip(sharded, plain):
             p.grad = torch.randn(p.shape, generator=generator)
             s.grad = distribute_tensor(p.grad, s.device_mesh, s.placements) if hasattr(s, "device_mesh") \
                 else p.grad.clone()
-        import torchtitan.components.muon as muon
-
-        counted = muon.newton_schulz
-        muon.newton_schulz = lambda x, *a: calls.append(x.shape[0] if x.ndim == 3 else 1) or counted(x, *a)
+        muon.newton_schulz = counting
         optimizers[0].step()
         muon.newton_schulz = counted
         optimizers[1].step()
