@@ -43,7 +43,7 @@ def piece_indices(shape: torch.Size, mesh_shape: tuple[int, ...], placements, co
         elif isinstance(placement, Shard):
             along = Shard(0)
         else:
-            raise ValueError(f"a matrix placed as {placement} on mesh dimension {mesh_dim} cannot be gathered: "
+            raise TypeError(f"a matrix placed as {placement} on mesh dimension {mesh_dim} cannot be gathered: "
                              "only Shard, _StridedShard and Replicate placements can")
         dim = placement.dim % len(shape)
         chunks, _ = along._split_tensor(index[dim], mesh_shape[mesh_dim], with_padding=False)
@@ -99,6 +99,12 @@ class WholeMatrices:
                 self.matrices.extend(self._matrices_of(position, param, name))
         self._assign_owners()
         self.owned = [m for m in self.matrices if m.owner == self.rank]
+        # The routes of both collectives, as (other rank, matrix index), in the order both ends use.
+        me, matrices = self.rank, list(enumerate(self.matrices))
+        self._gather_out = sorted((m.owner, i) for i, m in matrices if me in m.senders)
+        self._gather_in = sorted((sender, i) for i, m in matrices if m.owner == me for sender in m.senders)
+        self._scatter_out = sorted((holder, i) for i, m in matrices if m.owner == me for holder in m.pieces)
+        self._scatter_in = sorted((m.owner, i) for i, m in matrices if me in m.pieces)
 
     def _matrices_of(self, position: int, param: DTensor, name: str) -> list[Matrix]:
         mesh = param.device_mesh.mesh
@@ -167,21 +173,21 @@ class WholeMatrices:
     def _my_piece(self, matrix: Matrix, local: torch.Tensor) -> torch.Tensor:
         return local if matrix.expert is None else local[matrix.local_position]
 
+    def _piece_numel(self, i: int, rank: int) -> int:
+        rows, cols = self.matrices[i].pieces[rank]
+        return _length(rows) * _length(cols)
+
     def gather(self, locals_: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """The whole matrices this rank owns, by name, from every rank's local tensors (one per parameter, in
         the plan's order; None for those that are not DTensors). All local tensors share one dtype."""
         dtype, device = self._dtype_device(locals_)
-        outgoing = sorted((m.owner, i) for i, m in enumerate(self.matrices) if self.rank in m.senders)
-        send = [self._my_piece(self.matrices[i], locals_[self.matrices[i].param]).reshape(-1) for _, i in outgoing]
-        send_sizes = self._sizes((owner, t.numel()) for (owner, _), t in zip(outgoing, send))
-        incoming = sorted((sender, i) for i, m in enumerate(self.matrices) if m.owner == self.rank
-                          for sender in m.senders)
-        pieces = [self.matrices[i].pieces[sender] for sender, i in incoming]
-        receive_sizes = self._sizes((sender, _length(r) * _length(c)) for (sender, _), (r, c) in zip(incoming, pieces))
-        received = self._all_to_all(send, send_sizes, receive_sizes, dtype, device)
+        send = [self._my_piece(self.matrices[i], locals_[self.matrices[i].param]).reshape(-1)
+                for _, i in self._gather_out]
+        sizes = [self._piece_numel(i, sender) for sender, i in self._gather_in]
+        received = self._all_to_all(send, self._gather_out, sizes, self._gather_in, dtype, device)
         whole = {m.name: torch.empty(m.shape, dtype=dtype, device=device) for m in self.owned}
-        for (_, i), (rows, cols), flat in zip(incoming, pieces, received.split([_length(r) * _length(c)
-                                                                               for r, c in pieces])):
+        for (sender, i), flat in zip(self._gather_in, received.split(sizes)):
+            rows, cols = self.matrices[i].pieces[sender]
             whole[self.matrices[i].name][_cross(rows, cols, device)] = flat.view(_length(rows), _length(cols))
         return whole
 
@@ -189,30 +195,15 @@ class WholeMatrices:
         """Every rank's local pieces of the owners' ``results`` (by name, as gather returned them): new tensors
         shaped like ``locals_`` (None where that is None)."""
         dtype, device = self._dtype_device(locals_)
-        outgoing = sorted((holder, i) for i, m in enumerate(self.matrices) if m.owner == self.rank
-                          for holder in m.pieces)
-        send = []
-        for holder, i in outgoing:
-            rows, cols = self.matrices[i].pieces[holder]
-            send.append(results[self.matrices[i].name][_cross(rows, cols, device)].reshape(-1).to(dtype))
-        send_sizes = self._sizes((holder, t.numel()) for (holder, _), t in zip(outgoing, send))
-        incoming = sorted((m.owner, i) for i, m in enumerate(self.matrices) if self.rank in m.pieces)
-        sizes = [_length(self.matrices[i].pieces[self.rank][0]) * _length(self.matrices[i].pieces[self.rank][1])
-                 for _, i in incoming]
-        receive_sizes = self._sizes((owner, n) for (owner, _), n in zip(incoming, sizes))
-        received = self._all_to_all(send, send_sizes, receive_sizes, dtype, device)
+        send = [results[self.matrices[i].name][_cross(*self.matrices[i].pieces[holder], device)].reshape(-1).to(dtype)
+                for holder, i in self._scatter_out]
+        sizes = [self._piece_numel(i, self.rank) for _, i in self._scatter_in]
+        received = self._all_to_all(send, self._scatter_out, sizes, self._scatter_in, dtype, device)
         out = [None if t is None else torch.empty_like(t, dtype=dtype) for t in locals_]
-        for (_, i), flat in zip(incoming, received.split(sizes)):
-            matrix = self.matrices[i]
-            target = self._my_piece(matrix, out[matrix.param])
+        for (_, i), flat in zip(self._scatter_in, received.split(sizes)):
+            target = self._my_piece(self.matrices[i], out[self.matrices[i].param])
             target.copy_(flat.view(target.shape))
         return out
-
-    def _sizes(self, pairs) -> list[int]:
-        sizes = [0] * self.world
-        for rank, n in pairs:
-            sizes[rank] += n
-        return sizes
 
     def _dtype_device(self, locals_: list[torch.Tensor | None]) -> tuple[torch.dtype, torch.device]:
         present = [t for t in locals_ if t is not None]
@@ -220,9 +211,15 @@ class WholeMatrices:
             return torch.float32, torch.device(device_type())
         return present[0].dtype, present[0].device
 
-    @staticmethod
-    def _all_to_all(send: list[torch.Tensor], send_sizes: list[int], receive_sizes: list[int],
-                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _all_to_all(self, send: list[torch.Tensor], send_route: list[tuple[int, int]], receive: list[int],
+                    receive_route: list[tuple[int, int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One all-to-all over the world: ``send`` (pieces, to the ranks of ``send_route``) out, and the pieces
+        of ``receive`` sizes (from the ranks of ``receive_route``) in, as one flat tensor in route order."""
+        send_sizes, receive_sizes = [0] * self.world, [0] * self.world
+        for (rank, _), piece in zip(send_route, send):
+            send_sizes[rank] += piece.numel()
+        for (rank, _), n in zip(receive_route, receive):
+            receive_sizes[rank] += n
         buffer = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
         received = torch.empty(sum(receive_sizes), dtype=dtype, device=device)
         dist.all_to_all_single(received, buffer, receive_sizes, send_sizes)
