@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtitan.components.adamw_8bit import BLOCK_SIZE, MIN_QUANTIZED_NUMEL
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.muon import split_parameters
+from torchtitan.components.optimizer import state_bytes
 from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -294,33 +294,6 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
     return ranks
 
 
-def optimizer_state_itemsize(cfg: JobConfig) -> int:
-    """Bytes per element of optimizer state: optimizer.state_dtype, or the parameters' dtype for float32."""
-    name = cfg.training.dtype if cfg.optimizer.state_dtype == "float32" else cfg.optimizer.state_dtype
-    return DTYPES[name].itemsize
-
-
-def low_bit_moment_bytes(local_elements: int) -> float | None:
-    """One AdamW8bit moment of a tensor with this many elements on the rank, or None where torchao keeps it
-    unquantised (components/adamw_8bit.py): a byte per code, a float32 scale per block, the 256-entry code map."""
-    if local_elements < MIN_QUANTIZED_NUMEL or local_elements % BLOCK_SIZE:
-        return None
-    return local_elements + 4 * local_elements / BLOCK_SIZE + 4 * 256
-
-
-def tensor_state_bytes(cfg: JobConfig, local_elements: float, muon: bool) -> float:
-    """Optimizer-state bytes of one parameter tensor holding ``local_elements`` on the rank: AdamW's two moments
-    (8-bit ones by torchao's rule for AdamW8bit), or one momentum buffer for a Muon matrix."""
-    itemsize = optimizer_state_itemsize(cfg)
-    if cfg.optimizer.name == "Muon" and muon:
-        return local_elements * itemsize
-    if cfg.optimizer.name == "AdamW8bit":
-        quantized = low_bit_moment_bytes(int(local_elements))
-        if quantized is not None:
-            return 2 * quantized
-    return 2 * local_elements * itemsize
-
-
 def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, shards: int,
                           embedding_copies: int) -> float:
     """The optimizer state on a pipeline rank, its tensors split ``shards`` ways (TP x FSDP) like its parameters,
@@ -330,7 +303,7 @@ def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, sha
         copies = (rank.blocks / m.n_layers if where == "block" else embedding_copies if where == "embedding"
                   else int(rank.last))
         if copies:
-            total += copies * tensor_state_bytes(cfg, elements / shards, muon)
+            total += copies * state_bytes(cfg.optimizer, cfg.training.dtype, elements / shards, muon)
     return total
 
 
@@ -610,7 +583,7 @@ def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | No
     # moment of a float32 weight counts half).
     stored = m.routed_params * m.moe_layers / layout.pp / (layout.dp_shard * layout.cp * layout.tp) * s
     stack = stored / s / max(1, 3 * m.moe_layers / layout.pp)  # elements of one of a block's three expert stacks
-    states = tensor_state_bytes(cfg, stack, muon=True) / (stack * s) if stack else 0.0
+    states = state_bytes(cfg.optimizer, cfg.training.dtype, stack, muon=True) / (stack * s) if stack else 0.0
     volume = all_to_all_bytes(m, cfg, layout)
     split = (f"{local} per EP rank (ep {layout.ep}, FSDP-sharded {layout.efsdp} ways more)" if layout.ep > 1 else
              f"no expert parallelism (FSDP-sharded {layout.fsdp_degree} ways)")

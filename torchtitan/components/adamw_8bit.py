@@ -5,7 +5,7 @@ torchao quantises each moment block-wise (blocks of 256 values, one float32 scal
 code map per tensor) when the tensor on this rank (its local shard) has at least 4096 values and a whole number
 of blocks; other tensors (norms, biases, small or uneven shards) keep their moments in the parameter's dtype. Its
 step runs in float32 and is torch.compiled once per parameter shape. The planner counts the same rule
-(planner.low_bit_moment_bytes).
+(moment_bytes).
 
 Checkpoints hold the moments dequantised to float32, so DCP saves and reshards them like any optimizer state
 (and AdamW's float32 moments load too). Loading quantises them again on the loading rank's blocks. Where a block
@@ -24,6 +24,14 @@ from torchtitan.config.job_config import Optimizer as OptimizerConfig
 # torchao's rule for which moments it quantises (torchao/optim/adam.py: _new_buffer), per local tensor.
 MIN_QUANTIZED_NUMEL = 4096
 BLOCK_SIZE = 256
+
+
+def moment_bytes(local_elements: int) -> float | None:
+    """Bytes of one moment of a tensor with this many elements on the rank, or None where torchao keeps it
+    unquantised: a byte per code, a float32 scale per block, the 256-entry float32 code map."""
+    if local_elements < MIN_QUANTIZED_NUMEL or local_elements % BLOCK_SIZE:
+        return None
+    return local_elements + 4 * local_elements / BLOCK_SIZE + 4 * 256
 
 
 def _local(value):

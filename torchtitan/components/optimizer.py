@@ -45,6 +45,22 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
     )
 
 
+def state_bytes(cfg: OptimizerConfig, param_dtype: str, local_elements: float, muon: bool) -> float:
+    """Bytes of optimizer state the built optimizer keeps for a parameter tensor of ``local_elements`` on the rank
+    (``muon``: Muon updates it): AdamW's two moments in state_dtype (float32: the parameters' dtype), 8-bit ones
+    where torchao quantises them, or Muon's one momentum buffer. The planner's figures (planner.py)."""
+    itemsize = DTYPES[param_dtype if cfg.state_dtype == "float32" else cfg.state_dtype].itemsize
+    if cfg.name == "Muon" and muon:
+        return local_elements * itemsize
+    if cfg.name == "AdamW8bit":
+        from torchtitan.components.adamw_8bit import moment_bytes
+
+        quantized = moment_bytes(int(local_elements))
+        if quantized is not None:
+            return 2 * quantized
+    return 2 * local_elements * itemsize
+
+
 def clipped_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], grad_norm: torch.Tensor,
                  max_norm: float) -> None:
     """The optimizer step on gradients clipped to a global norm of ``max_norm`` (no clipping when <= 0).
