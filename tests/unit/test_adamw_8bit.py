@@ -89,3 +89,25 @@ def test_options_adamw8bit_would_ignore_are_refused(tmp_path, flags, needles):
     argv = ["--job.config_file", "train_configs/tiny.toml", f"--job.dump_folder={tmp_path}", "--optimizer.name",
             "AdamW8bit", *flags]
     assert_one_line_error(main, argv, *needles)
+
+
+@pytest.mark.slow  # torchao compiles its step
+def test_adamw_moments_load_into_adamw8bit():
+    """AdamW's float32 moments load into AdamW8bit (the same state names), quantised, and it steps on."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 256))
+    adamw = build_optimizer([torch.nn.ParameterList([weight])], OptimizerConfig(implementation="for-loop"))
+    weight.grad = torch.randn_like(weight)
+    adamw.step()
+    low_bit = build_optimizer([torch.nn.ParameterList([weight])], OptimizerConfig(name="AdamW8bit"))
+    low_bit.load_state_dict(copy.deepcopy(adamw.state_dict()))
+    state = low_bit.state[weight]
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit" and state["step"].item() == 1
+    # the 8-bit moments are AdamW's to within half a code step of their blocks' scales
+    for key in ("exp_avg", "exp_avg_sq"):
+        original = adamw.state[weight][key]
+        scale = original.reshape(-1, 256).abs().amax(-1, keepdim=True)
+        error = (state[key].dequantize() - original).reshape(-1, 256).abs() / scale
+        assert error.max() < 0.01, key
+    low_bit.step()
+    assert state["step"].item() == 2
