@@ -21,8 +21,8 @@ import sys
 
 from report import Table, environment
 
-# Three points a factor of 2 apart per optimizer, placed so that the best is not at an end where the runs allow.
-LRS = {"AdamW": ("1.6e-3", "3.2e-3", "6.4e-3"), "Muon": ("1.6e-3", "3.2e-3", "6.4e-3")}
+# Three points a factor of 2 apart per optimizer, with the best inside (lower ones, 4e-4 to 1.6e-3, were worse).
+LRS = {"AdamW": ("3.2e-3", "6.4e-3", "1.28e-2"), "Muon": ("3.2e-3", "6.4e-3", "1.28e-2")}
 SWEPT = {f"{name} lr {lr}": ["--optimizer.name", name, "--optimizer.lr", lr] for name, lrs in LRS.items()
          for lr in lrs}
 # Each at the best lr of the sweep of the optimizer it is a variant of.

@@ -182,10 +182,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for param, update in zip(self.whole_matrices.params, updates):
             if not isinstance(param, DTensor):
                 pieces.append(None)
-            else:  # a parameter without a gradient contributes zeros, and its result is dropped
-                local = param.to_local() if update is None else update.to_local()
-                pieces.append(local.to(self.ns_dtype) if update is not None else torch.zeros_like(
-                    local, dtype=self.ns_dtype))
+            elif update is None:  # a parameter without a gradient sends zeros, and its result is dropped
+                pieces.append(torch.zeros_like(param.to_local(), dtype=self.ns_dtype))
+            else:
+                pieces.append(update.to_local().to(self.ns_dtype))
         whole = self.whole_matrices.gather(pieces)
         results = {}
         stacked: dict[tuple, list[str]] = {}  # experts of the same shape go through one batched call
