@@ -97,10 +97,12 @@ def test_hf_export_from_the_gpu_loads_in_transformers(tmp_path):
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_one_process_nccl_run_takes_the_distributed_code_paths(tmp_path):
-    """torchrun with one process: the NCCL process group, the device mesh and collective-backed checkpoints."""
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon", "AdamW8bit"])
+def test_one_process_nccl_run_takes_the_distributed_code_paths(tmp_path, optimizer):
+    """torchrun with one process: the NCCL process group, the device mesh and collective-backed checkpoints, with
+    each optimizer (Muon's owner exchange and torchao's 8-bit step on the GPU)."""
     rows = train(tmp_path, *DEBUG, "--training.steps", "30", "--lr_scheduler.warmup_steps", "3",
-                 "--checkpoint.enable", "--checkpoint.interval", "10", torchrun=True)
+                 "--checkpoint.enable", "--checkpoint.interval", "10", "--optimizer.name", optimizer, torchrun=True)
     learns(rows)
     provenance = json.loads((tmp_path / "provenance.json").read_text())
     assert provenance["layout"]["world_size"] == 1 and provenance["device"]["type"] == "cuda"
