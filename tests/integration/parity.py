@@ -48,6 +48,7 @@ TINY_CONFIG = "train_configs/tiny.toml"
 TINY_COMMON = ["--training.mixed_precision_param", "float32", "--training.steps", "4", "--metrics.log_freq", "1",
                "--comm.init_timeout_seconds", "900", "--comm.train_timeout_seconds", "900"]
 _PP2_TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]
+_MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 MANY_PROCESS_LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "dp2_tp2_pp2": (8, ["--training.local_batch_size", "4", *_PP2_TP2]),
@@ -55,6 +56,9 @@ MANY_PROCESS_LAYOUTS = {
     # All four dimensions in one mesh.
     "fsdp2_cp2_tp2_pp2": (16, ["--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
                                *_PP2_TP2]),
+    # Muon's owner exchange across pipeline stages whose meshes hold different matrices (test_muon_training.py).
+    "muon_single": (1, ["--training.local_batch_size", "8", *_MUON]),
+    "muon_dp2_tp2_pp2": (8, ["--training.local_batch_size", "4", *_PP2_TP2, *_MUON]),
 }
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.integration.parity import Matrix, rows_of
+from tests.integration.parity import Matrix, assert_same_steps, rows_of
 
 COUNTED = "tests.integration.muon_count_worker:main"
 
@@ -87,3 +87,15 @@ def test_each_matrix_is_orthogonalised_on_one_rank_per_step(suite_runs, layout):
     assert all(rank["owned"] for rank in ranks)
     for rank in ranks:  # and Newton-Schulz ran on exactly those, once per step
         assert rank["steps"] == 6 and rank["matrices"] == 6 * len(rank["owned"])
+
+
+@pytest.mark.slow
+def test_muon_on_eight_processes_across_pipeline_stages_matches_the_single_process(many_process_runs):
+    """FSDP 2 x TP 2 x PP 2 (tiny flavor): each stage's ranks exchange their own matrices in the world's
+    all-to-alls."""
+    rows, reference = rows_of(many_process_runs, "muon_dp2_tp2_pp2"), rows_of(many_process_runs, "muon_single")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # The tiny model's 4 losses move with their batches; that they are Muon's shows against AdamW's.
+    adamw = rows_of(many_process_runs, "single")
+    assert all(m["loss"] != a["loss"] for m, a in zip(reference[1:], adamw[1:]))
+    assert_same_steps(rows, reference)
