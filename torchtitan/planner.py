@@ -139,7 +139,8 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         model = spec.model_cls(args)
     # Multi-token prediction blocks are planned as blocks, plus an output-head pass each (memory and FLOPs).
     blocks = list(model.layers.values())
-    embedding = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding = sum(embeddings.values())
     params = sum(p.numel() for p in model.parameters())
     moe = args.moe
     # Per-block counts are averaged over the blocks: a MoE family may keep its first blocks dense.
@@ -147,8 +148,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     linear = sum(m.weight.numel() for b in blocks for m in b.modules() if isinstance(m, nn.Linear)) // len(blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     muon = {id(p) for _, p in split_parameters([model])[0]}
-    tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if p.ndim == 2 and
-                     any(p is e.weight for e in model.modules() if isinstance(e, nn.Embedding)) else "head",
+    tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
                      id(p) in muon) for p in model.parameters())
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
@@ -323,12 +323,13 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
     outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
     head_params = (m.embedding_params if rank.first else 0) + (outside_blocks - m.embedding_params if rank.last else 0)
-    if rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied):
+    shared_embedding = rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied)
+    if shared_embedding:
         head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
     grads = params_local * s
-    embedding_copies = int(rank.first) + int(rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied))
+    embedding_copies = int(rank.first) + int(shared_embedding)
     optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
