@@ -15,12 +15,14 @@ import argparse
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from report import Table, environment
 
+from torchtitan.config import ConfigError
 from torchtitan.config_check import load_and_validate
 from torchtitan.train import Trainer
 
@@ -63,10 +65,17 @@ def main() -> None:
     parser.add_argument("--output", type=pathlib.Path)
     args, flags = parser.parse_known_args()
     rank = int(os.environ.get("RANK", "0"))
+    if not pathlib.Path(args.preset).is_file():
+        parser.error(f"--preset {args.preset}: no such file")
     table = None
     baseline = None
     for label, choice in CHOICES.items():
-        seconds, owned = time_step(args.preset, [*choice, *flags], args.repeats)
+        try:
+            seconds, owned = time_step(args.preset, [*choice, *flags], args.repeats)
+        except ConfigError as e:  # a flag the trainer refuses: its one line, not a traceback from every rank
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         baseline = baseline or seconds
         if rank == 0:
             if table is None:

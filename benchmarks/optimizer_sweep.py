@@ -76,6 +76,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run names separated by semicolons (default: all)")
     args = parser.parse_args()
     only = [name.strip() for name in args.only.split(";") if name.strip()]
+    unknown = [name for name in only if name not in SWEPT and name not in LEAN]
+    if unknown:
+        parser.error(f"--only names unknown runs {unknown}; runs: {'; '.join([*SWEPT, *LEAN])}")
 
     curves = {}
     for name, options in SWEPT.items():
