@@ -4,6 +4,11 @@
 
 Writes config.json, generation_config.json, the tokenizer files and model.safetensors, loadable with
 transformers' AutoModelForCausalLM / LlamaForCausalLM.from_pretrained and AutoTokenizer.
+
+A LoRA run's checkpoint (its base from the config's checkpoint.initial_load_path) converts with
+``--merge_lora`` (the adapters folded into the base: a plain model folder) or ``--lora_adapter`` (a PEFT
+adapter folder, adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained on top of
+the base's Hugging Face folder).
 """
 
 import argparse
@@ -12,9 +17,11 @@ from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.peft_adapter import write_peft_adapter
 from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
-from torchtitan.inference import build_model, load_dcp_model
+from torchtitan.inference import build_model, load_checkpoint
+from torchtitan.models.lora import adapter_settings, is_adapted, merge_adapters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +38,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include_mtp", action="store_true",
                         help="also write the multi-token prediction blocks (default: the config's "
                              "checkpoint.hf_include_mtp)")
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument("--merge_lora", action="store_true",
+                      help="a LoRA checkpoint: fold the adapters into the base weights and write the whole model")
+    lora.add_argument("--lora_adapter", action="store_true",
+                      help="a LoRA checkpoint: write its adapters as a PEFT adapter folder")
     args = parser.parse_args(argv)
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
         include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp
         # Without MTP in the export its blocks are not read either (a checkpoint saved without them converts).
         model, spec = build_model(cfg, mtp=include_mtp)
-        load_dcp_model(model, args.checkpoint)
+        load_checkpoint(model, spec, cfg, str(args.checkpoint))
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    adapted = any(is_adapted(m) for m in model.modules())
+    if adapted == (not (args.merge_lora or args.lora_adapter)):
+        print(f"error: {args.config} trains LoRA adapters: pass --merge_lora (the whole model) or --lora_adapter (a "
+              "PEFT adapter folder)" if adapted else f"error: --merge_lora/--lora_adapter: {args.config} trains no "
+              "LoRA adapters (model.converters)", file=sys.stderr)
         return 2
     if spec.state_dict_adapter is None:
         print(f"error: model '{cfg.model.name}' has no Hugging Face state-dict adapter", file=sys.stderr)
@@ -54,9 +72,18 @@ def main(argv: list[str] | None = None) -> int:
                   "(model.mtp_depth)", file=sys.stderr)
             return 2
         adapter.include_mtp = True
+    state = model.state_dict()
     try:
-        count = write_hf_folder(args.output, model.state_dict(), adapter, tokenizer, cfg.model.hf_assets_path,
-                                dtype_name)
+        if args.lora_adapter:
+            rank, alpha, dropout = adapter_settings(model)
+            count = write_peft_adapter(args.output, state, adapter, rank, alpha, dropout, dtype_name,
+                                       base_model=cfg.checkpoint.initial_load_path or "")
+            print(f"wrote a PEFT adapter of {count} tensors ({dtype_name}) to {args.output}")
+            return 0
+        if args.merge_lora:
+            rank, alpha, _ = adapter_settings(model)
+            state = merge_adapters(state, alpha / rank)
+        count = write_hf_folder(args.output, state, adapter, tokenizer, cfg.model.hf_assets_path, dtype_name)
     except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
         print(f"error: {e}", file=sys.stderr)
         return 2

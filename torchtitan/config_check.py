@@ -200,6 +200,10 @@ def _check_converters(c: _Checker) -> None:
     from torchtitan.protocols.model_converter import config_problems
 
     c.report("model", config_problems(c.cfg.model.converters))
+    if "lora" in c.cfg.model.converters:
+        from torchtitan.components.lora import config_problems as lora_problems
+
+        c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters))
 
 
 def _check_data(c: _Checker) -> None:

@@ -15,41 +15,80 @@ from torch import nn
 from torchtitan.components.checkpoint import CheckpointError, ModelState, load_state
 from torchtitan.components.checkpoint_storage import verify_checkpoint
 from torchtitan.components.hf_checkpoint import is_hf_folder, read_hf_model_state
+from torchtitan.components.lora import LoRAConverter
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
+from torchtitan.models.lora import is_adapter_param
 from torchtitan.protocols.train_spec import TrainSpec, build_model_args, get_train_spec
 from torchtitan.remote import fetched_folder, filesystem, is_url
 
 
 def build_model(cfg: JobConfig, device: torch.device | str = "cpu", mtp: bool = True) -> tuple[nn.Module, TrainSpec]:
     """The config's model, materialised and initialised from debug.seed, with its train spec (``mtp=False``:
-    without multi-token prediction blocks)."""
+    without multi-token prediction blocks); with LoRA adapters where the config trains them (model.converters)."""
     spec = get_train_spec(cfg.model.name)
     tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
     args = build_model_args(spec, cfg.model, tokenizer.vocab_size, cfg.training.seq_len, mtp=mtp)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    lora = LoRAConverter(cfg, None) if "lora" in cfg.model.converters else None
+    if lora is not None:
+        lora.convert(model)
     model.to_empty(device=device)
     model.init_weights(cfg.debug.seed, buffer_device=torch.device(device))
+    if lora is not None:
+        lora.init_weights(model, cfg.debug.seed)
     return model, spec
 
 
-def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path) -> None:
+def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path, include=lambda name: True) -> None:
+    """The weights ``include(name)`` accepts (all by default) from a Hugging Face folder."""
     if spec.state_dict_adapter is None:
         raise CheckpointError(f"model family has no Hugging Face adapter; cannot load {folder}")
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items() if include(name)}
     state = read_hf_model_state(folder, spec.state_dict_adapter(model.args), expected)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if include(name)]
     if missing or unexpected:
         raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def load_dcp_model(model: nn.Module, location: str | Path) -> None:
-    """Model weights from a DCP checkpoint folder or URL, checked against the model's names and shapes first."""
-    state = ModelState([model])
+def load_dcp_model(model: nn.Module, location: str | Path, include=lambda name: True) -> None:
+    """Model weights (those ``include(name)`` accepts) from a DCP checkpoint folder or URL, checked against the
+    model's names and shapes first."""
+    state = ModelState([model], include)
     if reason := state.refusal(verify_checkpoint(str(location))):
         raise CheckpointError(f"cannot load checkpoint {location}: {reason}")
     load_state({"model": state}, str(location), no_dist=True)
+
+
+def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lambda name: True) -> None:
+    """From a DCP or Hugging Face folder, local or at a URL; the kind is told by its files."""
+    if is_url(location):
+        fs, path = filesystem(location)
+        if fs.exists(f"{path.rstrip('/')}/config.json"):  # a Hugging Face export uploaded by the trainer
+            with fetched_folder(location, "*.safetensors") as local:
+                load_hf_weights(model, spec, local, include)
+        else:
+            load_dcp_model(model, location, include)
+    elif is_hf_folder(Path(location)):
+        load_hf_weights(model, spec, Path(location), include)
+    else:
+        load_dcp_model(model, location, include)
+
+
+def load_checkpoint(model: nn.Module, spec: TrainSpec, cfg: JobConfig, checkpoint: str) -> None:
+    """A checkpoint's weights into ``build_model``'s model. A LoRA run's step checkpoints hold its adapters only:
+    the base then comes from the config's checkpoint.initial_load_path (or its seeded initialisation)."""
+    adapted = any(is_adapter_param(name) for name, _ in model.named_parameters())
+    if adapted and not is_hf_folder(Path(checkpoint)) and not is_url(checkpoint):
+        saved = verify_checkpoint(checkpoint).state_dict_metadata
+        if not any(k.startswith("model.") and not is_adapter_param(k) for k in saved):
+            if cfg.checkpoint.initial_load_path:
+                _load_weights(model, spec, cfg.checkpoint.initial_load_path, lambda n: not is_adapter_param(n))
+            load_dcp_model(model, checkpoint, is_adapter_param)
+            return
+    _load_weights(model, spec, checkpoint)
 
 
 def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:
@@ -58,15 +97,5 @@ def load_model(config_file: str, checkpoint: str | None = None, device: str = "c
     cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
     model, spec = build_model(cfg, device, mtp=False)
     if checkpoint is not None:
-        if is_url(checkpoint):
-            fs, path = filesystem(checkpoint)
-            if fs.exists(f"{path.rstrip('/')}/config.json"):  # a Hugging Face export uploaded by the trainer
-                with fetched_folder(checkpoint, "*.safetensors") as local:
-                    load_hf_weights(model, spec, local)
-            else:
-                load_dcp_model(model, checkpoint)
-        elif is_hf_folder(Path(checkpoint)):
-            load_hf_weights(model, spec, Path(checkpoint))
-        else:
-            load_dcp_model(model, checkpoint)
+        load_checkpoint(model, spec, cfg, checkpoint)
     return model.eval()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchtitan.components.lora import LoRAConverter
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.muon import split_parameters
 from torchtitan.components.optimizer import state_bytes
@@ -79,9 +80,10 @@ class ModelShape:
     routed_params: int = 0
     mtp_blocks: int = 0  # of n_layers, the multi-token prediction blocks (on the last pipeline stage)
     tied: bool = False  # the output head is the embedding table
-    # Every parameter tensor as (elements, where, muon): where is "block", "embedding" or "head" (the final norm
-    # and output); muon says whether optimizer.name = "Muon" gives it to Muon (components/muon.split_parameters).
-    tensors: tuple[tuple[int, str, bool], ...] = ()
+    # Every parameter tensor as (elements, where, muon, trainable): where is "block", "embedding" or "head" (the
+    # final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
+    # (components/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
+    tensors: tuple[tuple[int, str, bool, bool], ...] = ()
 
     @property
     def routed_params_per_block(self) -> float:
@@ -137,6 +139,8 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     args = build_model_args(spec, cfg.model, vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    if "lora" in cfg.model.converters:  # adapters added, the base frozen (components/lora.py)
+        LoRAConverter(cfg, None).convert(model)
     # Multi-token prediction blocks are planned as blocks, plus an output-head pass each (memory and FLOPs).
     blocks = list(model.layers.values())
     embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -149,7 +153,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     muon = {id(p) for _, p in split_parameters([model])[0]}
     tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
-                     id(p) in muon) for p in model.parameters())
+                     id(p) in muon, p.requires_grad) for p in model.parameters())
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
@@ -294,17 +298,24 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
     return ranks
 
 
-def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, shards: int,
-                          embedding_copies: int) -> float:
-    """The optimizer state on a pipeline rank, its tensors split ``shards`` ways (TP x FSDP) like its parameters,
-    with ``embedding_copies`` of the embedding's state."""
+def _rank_tensor_bytes(m: ModelShape, rank: PipelineRank, shards: int, embedding_copies: int, bytes_of) -> float:
+    """Summed over the trainable tensors on a pipeline rank, split ``shards`` ways (TP x FSDP) like its parameters,
+    with ``embedding_copies`` of the embedding: ``bytes_of(local elements, muon)``. Frozen tensors (a LoRA
+    base) have no gradient and no optimizer state."""
     total = 0.0
-    for elements, where, muon in m.tensors:
+    for elements, where, muon, trainable in m.tensors:
         copies = (rank.blocks / m.n_layers if where == "block" else embedding_copies if where == "embedding"
                   else int(rank.last))
-        if copies:
-            total += copies * state_bytes(cfg.optimizer, cfg.training.dtype, elements / shards, muon)
+        if copies and trainable:
+            total += copies * bytes_of(elements / shards, muon)
     return total
+
+
+def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, shards: int,
+                          embedding_copies: int) -> float:
+    """The optimizer state on a pipeline rank (see _rank_tensor_bytes)."""
+    return _rank_tensor_bytes(m, rank, shards, embedding_copies,
+                              lambda elements, muon: state_bytes(cfg.optimizer, cfg.training.dtype, elements, muon))
 
 
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
@@ -328,8 +339,8 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
         head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
     params = params_local * s
-    grads = params_local * s
     embedding_copies = int(rank.first) + int(shared_embedding)
+    grads = _rank_tensor_bytes(m, rank, tp * layout.fsdp_degree, embedding_copies, lambda elements, _: s * elements)
     optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.

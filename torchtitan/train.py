@@ -110,6 +110,7 @@ class Trainer:
             part.to_empty(device=self.device)
             part.to(DTYPES[training.dtype])
             part.init_weights(cfg.debug.seed, buffer_device=self.device)
+            self.converters.init_weights(part, cfg.debug.seed)
             return part.train()
 
         self.pipeline = None

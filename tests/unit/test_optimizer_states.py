@@ -133,3 +133,30 @@ def test_the_planner_counts_the_optimizer_state_that_is_allocated(preset):
         measured = sum(_state_bytes(t) for t in states)
         planned = predict_memory(shape, job, resolve_layout(job, 1), on_cpu=True).optimizer
         assert planned == pytest.approx(measured, rel=1e-3), (name, state_dtype)
+
+
+def test_the_planner_counts_optimizer_state_of_the_adapters_only_under_lora():
+    """With LoRA the planner's optimizer bytes are those of the adapters, which the trainer's optimizer alone
+    holds: AdamW's two float32 moments per adapter weight."""
+    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.config import load_config
+    from torchtitan.planner import model_shape, predict_memory, resolve_layout
+    from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+
+    job, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", "--training.mixed_precision_param",
+                          "float32", "--model.converters", "lora", "--lora.targets", "attention.*,feed_forward.w2"])
+    shape = model_shape(job)
+    spec = get_train_spec(job.model.name)
+    model = spec.model_cls(build_model_args(spec, job.model, shape.vocab, job.training.seq_len))
+    LoRAConverter(job, None).convert(model)
+    adapters = [p for name, p in model.named_parameters() if ".lora_" in name]
+    assert adapters and all(p.requires_grad for p in adapters)
+    assert sum(p.requires_grad for p in model.parameters()) == len(adapters)
+    optimizer = build_optimizer([model], job.optimizer)
+    for p in adapters:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    measured = sum(_state_bytes(t) for s in optimizer.state.values() for key, t in s.items() if key != "step")
+    memory = predict_memory(shape, job, resolve_layout(job, 1), on_cpu=True)
+    assert memory.optimizer == pytest.approx(measured, rel=1e-6)
+    assert memory.optimizer == pytest.approx(8 * sum(p.numel() for p in adapters), rel=1e-6)

@@ -52,18 +52,22 @@ from torchtitan.components.checkpoint_storage import (
     verify_checkpoint,
     writer_for,
 )
+from torchtitan.components.frozen_base import BaseFingerprint, frozen_names
 from torchtitan.components.hf_checkpoint import read_hf_model_state, write_hf_folder
+from torchtitan.components.peft_adapter import write_lora_export
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.hardware import DTYPES
 from torchtitan.log import logger, one_line
+from torchtitan.models.lora import is_adapter_param
 from torchtitan.models.seeded_init import canonical_name
 from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
 
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "guard")
-# Added after the first checkpoints were written: loaded when the checkpoint has them, else left fresh.
-OPTIONAL_KEYS = ("guard",)
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "guard", "base")
+# Added after the first checkpoints were written, or kept by some runs only (the frozen base's fingerprint):
+# loaded when the checkpoint has them, else left fresh.
+OPTIONAL_KEYS = ("guard", "base")
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
 # A single process needs no process group to save or load; DCP warns about that every time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -133,15 +137,18 @@ class TrainState(Stateful):
 
 
 class ModelState(Stateful):
-    """The parameters of every model part, under the names of the unwrapped model."""
+    """The parameters (and buffers) of every model part, under the names of the unwrapped model; only those
+    ``include(name)`` accepts (a fine-tuning run's checkpoints leave the frozen base out, components/frozen_base.py,
+    and its base loads leave the adapters out)."""
 
-    def __init__(self, model_parts: list[nn.Module]):
+    def __init__(self, model_parts: list[nn.Module], include=lambda name: True):
         self.model_parts = model_parts
+        self.include = include
 
     def state_dict(self) -> dict:
         state = {}
         for part in self.model_parts:
-            state.update(get_model_state_dict(part))
+            state.update({name: t for name, t in get_model_state_dict(part).items() if self.include(name)})
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -164,8 +171,8 @@ class ModelState(Stateful):
 
     def missing_from(self, available) -> str | None:
         """A one-line reason when weights of these model parts are not among ``available`` names, else None."""
-        missing = sorted({canonical_name(name) for part in self.model_parts for name, _ in part.named_parameters()}
-                         - set(available))
+        missing = sorted({canonical_name(name) for part in self.model_parts for name, _ in part.named_parameters()
+                          if self.include(canonical_name(name))} - set(available))
         if not missing:
             return None
         return (f"it holds no {missing[0]}" + (f" (nor {len(missing) - 1} more weights)" if len(missing) > 1 else "")
@@ -304,14 +311,20 @@ class CheckpointManager:
         if cfg.enable:
             self.storage.check_reachable()  # a wrong URL or missing credentials fail before training
         self.model_parts = model_parts
+        self.adapted = any(is_adapter_param(name) for part in model_parts for name, _ in part.named_parameters())
+        frozen = frozen_names(model_parts)
+        # The model as a base checkpoint holds it (initial_load_path): every weight but the adapters.
+        self.base_state = ModelState(model_parts, include=lambda name: not is_adapter_param(name))
         self.states = {
-            "model": ModelState(model_parts),
+            "model": ModelState(model_parts, include=lambda name: name not in frozen),
             "optimizer": OptimizerState(model_parts, optimizer),
             "lr_scheduler": LRSchedulerState(lr_scheduler),
             "dataloader": DataLoaderState(dataloader),
             "train_state": train_state,
             "guard": guard,
         }
+        if frozen:
+            self.states["base"] = BaseFingerprint(model_parts, cfg.initial_load_path or "the seeded initialisation")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.no_dist = not dist.is_initialized()
         self.async_mode = cfg.async_mode
@@ -350,9 +363,12 @@ class CheckpointManager:
             return None
         else:
             return None
+        if "base" in self.states and self.cfg.initial_load_path:
+            self._load_initial(self.cfg.initial_load_path)  # the frozen base, under the trained weights
         # A seed checkpoint holds the model only: the optimizer, schedule and data start fresh.
         seed = step == SEED_STEP
-        keys = [k for k in (["model"] if seed else STATE_KEYS) if k not in self.cfg.exclude_from_loading]
+        keys = [k for k in (["model"] if seed else STATE_KEYS)
+                if k in self.states and k not in self.cfg.exclude_from_loading]
         self._load(self.storage.where(f"step-{step}"), keys)
         logger.info(f"resumed from step {step}: {self.storage.where(f'step-{step}')}"
                     + (" (a seed checkpoint: the model only)" if seed else ""))
@@ -362,7 +378,11 @@ class CheckpointManager:
         if self.cfg.initial_load_in_hf:
             self._load_hf(location)
             return
-        keys = ["model"] if self.cfg.initial_load_model_only else list(STATE_KEYS)
+        if "base" in self.states:  # a fine-tuning run's base: the weights only, whatever else the folder holds
+            self._load(location, ["model"], {"model": self.base_state})
+            logger.info(f"loaded the base model from {location}")
+            return
+        keys = ["model"] if self.cfg.initial_load_model_only else [k for k in STATE_KEYS if k in self.states]
         self._load(location, keys)
         logger.info(f"initialised {'the model' if keys == ['model'] else 'the run'} from {location}")
 
@@ -373,30 +393,31 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({location})")
         # Names and shapes are checked against the model's (global shapes, this rank's stages) before any tensor
         # is read.
-        expected = {name: tensor.shape for name, tensor in self.states["model"].state_dict().items()}
+        expected = {name: tensor.shape for name, tensor in self.base_state.state_dict().items()}
         try:
             with fetched_folder(location, "*.safetensors") as path:
                 state = read_hf_model_state(path, self.state_dict_adapter, expected)
         except RemoteError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
-        if reason := self.states["model"].missing_from(state):
+        if reason := self.base_state.missing_from(state):
             raise CheckpointError(f"checkpoint.initial_load_path {location}: {reason}")
         options = StateDictOptions(full_state_dict=True, strict=False)
         for part in self.model_parts:
             set_model_state_dict(part, state, options=options)
         logger.info(f"initialised the model from Hugging Face weights in {location}")
 
-    def _load(self, where: str, keys: list[str]) -> None:
+    def _load(self, where: str, keys: list[str], states: dict[str, Stateful] | None = None) -> None:
+        states = {**self.states, **(states or {})}
         metadata = verify_checkpoint(where)
         stored = {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
         keys = [k for k in keys if k not in OPTIONAL_KEYS or k in stored]
-        for key in ("model", "optimizer"):
-            if key in keys and (reason := self.states[key].refusal(metadata)):
+        for key in ("model", "optimizer", "base"):
+            if key in keys and (reason := states[key].refusal(metadata)):
                 raise CheckpointError(f"cannot load checkpoint {where}: {reason}")
         for key in keys:
-            if hasattr(self.states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
-                self.states[key].prepare_load(metadata)
-        load_state({k: self.states[k] for k in keys}, where, self.no_dist)
+            if hasattr(states[key], "prepare_load"):  # state whose tensors' sizes vary: sized from the file
+                states[key].prepare_load(metadata)
+        load_state({k: states[k] for k in keys}, where, self.no_dist)
 
     def _check_folder(self) -> None:
         """Refuse a folder holding steps that are not ours, then drop what a run killed mid-save left behind;
@@ -514,7 +535,8 @@ class CheckpointManager:
         if self.cfg.last_save_in_hf:
             return self.export_hf(step)
         dtype = DTYPES[self.cfg.export_dtype]
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.states["model"].state_dict().items()}
+        # Every weight, a frozen base's too: an export stands alone.
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ModelState(self.model_parts).state_dict().items()}
         name = f"export-step-{step}"
         if self.rank == 0:
             self.storage.begin(name)
@@ -534,9 +556,16 @@ class CheckpointManager:
         state = self.full_model_state()
         name = f"export-step-{step}"
         if self.rank == 0:
-            def write(folder: Path) -> int:
+            def write_model(folder: Path, state: dict) -> int:
                 return write_hf_folder(folder, state, self.state_dict_adapter, self.tokenizer, self.hf_assets_path,
                                        self.cfg.export_dtype)
+
+            def write(folder: Path) -> int:
+                if not self.adapted:
+                    return write_model(folder, state)
+                return write_lora_export(folder, state, self.state_dict_adapter, self.model_parts[0],
+                                         "base" in self.states, self.cfg.export_dtype,
+                                         self.cfg.initial_load_path or "", write_model)
 
             try:
                 count = self.storage.write_folder(name, write)

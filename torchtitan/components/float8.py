@@ -68,6 +68,9 @@ class Float8Converter:
         logger.info(f"float8: converted {converted} Linear layers (recipe {self.cfg.recipe_name or 'tensorwise'}, "
                     f"kept in high precision: {', '.join(self.cfg.filter_fqns) or 'none'})")
 
+    def init_weights(self, model_part: nn.Module, seed: int) -> None:
+        pass  # Float8Linear keeps the Linear's weight; nothing new to initialise
+
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         if self.precompute_scales:
             for part in model_parts:

@@ -61,7 +61,7 @@ class Model:
         None, "Multi-token prediction blocks trained after the main ones (deepseek_v3; block k predicts the token "
         "k + 1 places ahead, as DeepSeek-V3 does with 1): unset = the flavor's, 0 = off"
     )
-    converters: list[str] = option([], "Model converters applied in order, e.g. float8")
+    converters: list[str] = option([], "Model converters applied in order: float8, lora")
     print_after_conversion: bool = option(False, "Print the model after converters ran")
 
 
@@ -277,6 +277,21 @@ class Quantize:
 
 
 @dataclass
+class LoRA:
+    rank: int = option(8, "LoRA: rank r of each adapter (A is r x in_features, B is out_features x r)")
+    alpha: float = option(16.0, "LoRA: the adapter's output is scaled by alpha / rank")
+    dropout: float = option(0.0, "LoRA: dropout probability on the adapter's input")
+    targets: list[str] = option(
+        ["attention.*"], "LoRA: Linear layers to adapt, as patterns on names within a block, e.g. attention.wq, "
+        "attention.*, feed_forward.*, moe.shared_experts.*")
+    train_base: bool = option(False, "LoRA: train the base weights too (by default they are frozen: no gradient, "
+                                     "no optimizer state, not in checkpoints)")
+    adapter_path: str | None = option(
+        None, "LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
+        "from instead of A random, B zero; the run's own checkpoints, once it has some, take precedence")
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = option(300, "Timeout for the first collective (process group start)")
     train_timeout_seconds: int = option(100, "Timeout for collectives after the first step")
@@ -328,6 +343,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = section(ActivationCheckpoint, "Activation checkpointing")
     compile: Compile = section(Compile, "torch.compile")
     quantize: Quantize = section(Quantize, "Quantized training")
+    lora: LoRA = section(LoRA, "Low-rank adapters (model.converters = [\"lora\"])")
     comm: Comm = section(Comm, "Collective communication")
     validation: Validation = section(Validation, "Validation")
     debug: Debug = section(Debug, "Reproducibility")

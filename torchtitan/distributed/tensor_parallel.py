@@ -1,11 +1,20 @@
 """Tensor parallelism: its config rules and the plan shared by the decoder families."""
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -19,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
+from torchtitan.models.lora import is_adapted
 from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole
 
 # QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
@@ -162,10 +172,11 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            **{name: _style(entry) for name, entry in block_plan(block).items()},
+            **block_plan(block),
             "ffn_norm": SequenceParallel(),
             **_feed_forward_plan(block),
         }
+        plan = {name: _style(entry, block.get_submodule(name)) for name, entry in plan.items()}
         parallelize_module(block, tp_mesh, plan)
     if hasattr(model, "tie_weights"):
         # Embedding and output are both sharded on the vocabulary (dim 0), so a tied pair can share
@@ -173,8 +184,44 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
         model.tie_weights()
 
 
-def _style(entry: ParallelStyle | ComputeWhole) -> ParallelStyle:
-    return ReplicatedParallel(entry.partial_grad_from) if isinstance(entry, ComputeWhole) else entry
+def _style(entry: ParallelStyle | ComputeWhole, module: nn.Module) -> ParallelStyle:
+    if isinstance(entry, ComputeWhole):
+        return ReplicatedParallel(entry.partial_grad_from)  # replicates every parameter, adapters included
+    if is_adapted(module) and isinstance(entry, (ColwiseParallel, RowwiseParallel)):
+        # Same input and output layouts; only how the parameters are split differs.
+        adapted = copy.copy(entry)
+        adapted.__class__ = _AdaptedColwise if isinstance(entry, ColwiseParallel) else _AdaptedRowwise
+        return adapted
+    return entry
+
+
+def _split_adapted(name: str, module: nn.Module, mesh: DeviceMesh,
+                   placements: dict[str, tuple[Placement, Placement]]) -> None:
+    """Partition an adapted Linear (models/lora.py): distribute_module calls this for the Linear ("") and each
+    child; ``placements`` gives each one's (weight, bias) placement."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        placement = placements[name][0 if pname == "weight" else 1]
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                      requires_grad=param.requires_grad))
+
+
+class _AdaptedColwise(ColwiseParallel):
+    """A column-parallel base splits its output features, and so does B (out x r); A (r x in) reads the whole
+    input, so every rank holds all of it: the adapter's output is split like the base's, and A's gradient,
+    a sum over output features, arrives as a partial sum that DTensor adds up over the TP ranks."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _split_adapted(name, module, device_mesh, {"": (Shard(0), Shard(0)), "lora_a": (Replicate(), Replicate()),
+                                                   "lora_b": (Shard(0), Shard(0))})
+
+
+class _AdaptedRowwise(RowwiseParallel):
+    """A row-parallel base splits its input features, and so does A (r x in), so A x is a partial sum like the
+    base's output; B (out x r) is whole on every rank, and the two partial outputs are reduced together."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _split_adapted(name, module, device_mesh, {"": (Shard(1), Replicate()), "lora_a": (Shard(1), Replicate()),
+                                                   "lora_b": (Replicate(), Replicate())})
 
 
 def loss_parallel_context(enabled: bool):

@@ -141,14 +141,16 @@ class DecoderStateDictAdapter:
         gate, up = tensor.chunk(2, dim=1)
         return {f"{prefix}.w1": gate.transpose(1, 2).contiguous(), f"{prefix}.w3": up.transpose(1, 2).contiguous()}
 
-    def _hf_name(self, name: str) -> str:
+    def hf_name(self, name: str) -> str:
+        """Our weight name's Hugging Face name (a stacked expert tensor has several: to_hf names them)."""
         if (match := _OURS.match(name)) and match.group(2) in self._layer_to_hf:
             return f"model.layers.{match.group(1)}.{self._layer_to_hf[match.group(2)]}"
         if name in DECODER_TOP_NAMES:
             return DECODER_TOP_NAMES[name]
         raise KeyError(f"weight '{name}' has no Hugging Face name for a {self.family} model")
 
-    def _our_name(self, name: str) -> str:
+    def our_name(self, name: str) -> str:
+        """A Hugging Face weight name's name in our model; UnexpectedWeightError for a name the family lacks."""
         if (match := _HF.match(name)) and match.group(2) in self._layer_from_hf:
             return f"layers.{match.group(1)}.{self._layer_from_hf[match.group(2)]}"
         if name in self._top_from_hf:
@@ -167,7 +169,7 @@ class DecoderStateDictAdapter:
             elif layer is not None and local == "moe.expert_bias" and not self.hf_has_expert_bias:
                 dropped[name] = tensor
             else:
-                out[self._hf_name(name)] = self.tensor_to_hf(name, tensor)
+                out[self.hf_name(name)] = self.tensor_to_hf(name, tensor)
         self._check_dropped_bias(dropped)
         if self.args.tie_embeddings:
             # Released tied checkpoints store only the embedding; safetensors also refuses shared storage.
@@ -200,7 +202,7 @@ class DecoderStateDictAdapter:
             if match and (fused := _HF_FUSED_EXPERTS.match(match.group(2))):
                 out.update(self._from_fused_experts(match.group(1), fused.group(1), tensor))
                 continue
-            ours = self._our_name(name)
+            ours = self.our_name(name)
             out[ours] = self.tensor_from_hf(ours, tensor)
         hf_to_ours = {hf: ours for ours, hf in EXPERT_NAMES.items()}
         for (layer, hf), by_index in experts.items():

@@ -1,7 +1,8 @@
 """Model converters: named transformations applied to the model before parallelism (e.g. float8).
 
 A converter is registered under a name users put in ``model.converters``; the trainer applies them in
-that order to the meta-device model, and calls each one's post-optimizer hook after every step.
+that order to the meta-device model, lets each initialise what it added once the weights are materialised,
+and calls each one's post-optimizer hook after every step.
 """
 
 from typing import Protocol
@@ -17,11 +18,15 @@ class ModelConverter(Protocol):
     def convert(self, model: nn.Module) -> None:
         """Change the model in place (it is still on the meta device, before TP/AC/compile/FSDP)."""
 
+    def init_weights(self, model_part: nn.Module, seed: int) -> None:
+        """Initialise the parameters the converter added, after the model's own init_weights (seeded_init)."""
+
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         """Work needed after each optimizer step (e.g. refreshing cached scales)."""
 
 
-CONVERTERS: Registry[type] = Registry("model converter", builtin_modules=("torchtitan.components.float8",))
+CONVERTERS: Registry[type] = Registry("model converter", builtin_modules=("torchtitan.components.float8",
+                                                                          "torchtitan.components.lora"))
 
 
 def register_model_converter(name: str, converter_cls: type) -> None:
@@ -51,6 +56,10 @@ class ModelConverters:
     def convert(self, model: nn.Module) -> None:
         for converter in self.converters:
             converter.convert(model)
+
+    def init_weights(self, model_part: nn.Module, seed: int) -> None:
+        for converter in self.converters:
+            converter.init_weights(model_part, seed)
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         for converter in self.converters:

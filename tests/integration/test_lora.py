@@ -1,0 +1,143 @@
+"""LoRA: the adapted model starts as its base and trains only its adapters; 6 fp32 steps match the single
+process within 1e-4 under FSDP 2, TP 2, FSDP 2 x TP 2, PP 2 and compile (debug model, attention and
+feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets); bad targets and
+settings are refused in one line."""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint
+
+from tests.integration.parity import Matrix, assert_same_steps, rows_of
+from tests.integration.test_training import make_trainer
+from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.config import ConfigError, load_config
+from torchtitan.config_check import validate_config
+from torchtitan.models.lora import is_adapted, is_adapter_param
+
+LORA = ("--model.converters", "lora", "--lora.rank", "4")
+# A high learning rate, so that 6 steps move the adapters (B starts at zero) enough to show in the loss.
+TRAIN = [*LORA, "--lora.targets", "attention.*,feed_forward.*", "--training.steps", "6", "--optimizer.lr", "1e-2"]
+DEBUG_LAYOUTS = {
+    "lora_single": (1, [*TRAIN, "--training.local_batch_size", "8"]),
+    "lora_fsdp2": (2, [*TRAIN, "--training.local_batch_size", "4"]),
+    "lora_tp2": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "lora_fsdp2_tp2": (4, [*TRAIN, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    "lora_pp2": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+    "lora_compile": (1, [*TRAIN, "--training.local_batch_size", "4", "--training.global_batch_size", "8",
+                         "--compile.enable"]),
+}
+MOE_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32", "--metrics.log_freq", "1",
+              "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600", *LORA,
+              "--training.steps", "6", "--optimizer.lr", "1e-2"]
+MOE_LAYOUTS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
+}
+
+
+def debug_layouts(folder):
+    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture)."""
+    return DEBUG_LAYOUTS
+
+
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """The qwen3_moe runs, names prefixed "lora_moe_"."""
+    return {"lora_moe_": Matrix(MOE_LAYOUTS, "train_configs/qwen3_moe_debug.toml", MOE_COMMON)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [name for name in DEBUG_LAYOUTS if name != "lora_single"] + ["lora_moe_ep2"])
+def test_lora_matches_the_single_process(suite_runs, layout):
+    runs = suite_runs[1]
+    reference = rows_of(runs, "lora_moe_single" if "moe" in layout else "lora_single")
+    assert [r["step"] for r in reference] == list(range(1, 7))
+    assert len({r["loss"] for r in reference}) == 6  # the adapters train, so the steps differ
+    assert_same_steps(rows_of(runs, layout), reference)
+
+
+def test_adapted_model_starts_as_its_base_and_trains_only_its_adapters(tmp_path):
+    base = make_trainer(tmp_path / "base", "--training.steps", "5")
+    lora = make_trainer(tmp_path / "lora", "--training.steps", "5", *LORA, "--lora.targets", "attention.*,feed_forward.w2")
+    model = lora.model_parts[0]
+    adapted = [name for name, module in model.named_modules() if is_adapted(module)]
+    assert len(adapted) == 5 * len(model.layers)  # wq, wk, wv, wo and w2 of every block
+    tokens = next(iter(lora.dataloader)).input_ids.to(lora.device)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), base.model_parts[0](tokens))
+
+    params = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    lora.train()
+    trained = {id(p) for group in lora.optimizer.param_groups for p in group["params"]}
+    for name, p in params.items():
+        if is_adapter_param(name):
+            assert p.requires_grad and id(p) in trained, name
+            # A moved from its start; B left zero. Both now differ from where they began.
+            assert not torch.equal(p, before[name]), f"adapter {name} did not change"
+        else:
+            assert not p.requires_grad and p.grad is None and id(p) not in trained, name
+            assert torch.equal(p, before[name]), f"base {name} changed"
+    assert set(lora.optimizer.state) == {p for name, p in params.items() if is_adapter_param(name)}
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--lora.targets", "attention.nothing"),
+     "'attention.nothing' matches no Linear layer in the model's blocks; they are named attention.wk, "),
+    (("--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--lora.targets", "moe.experts"),
+     r"'moe.experts' matches routed experts \(layers.0.moe.experts\), whose stacked weights are not adapted"),
+    (("--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--lora.targets", "moe.*"), "matches the MoE router's gate"),
+])
+def test_targets_lora_cannot_adapt_are_refused_in_one_line(tmp_path, flags, match):
+    with pytest.raises(ConfigError, match=match) as error:
+        make_trainer(tmp_path, *LORA, *flags)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--lora.rank", "0"), "lora.rank = 0 is invalid; it must be >= 1"),
+    (("--lora.dropout", "1.0"), r"lora.dropout = 1.0 is invalid; it must be in \[0, 1\)"),
+    (("--model.converters", "lora,float8"), "lists 'float8' after 'lora'; list it first"),
+])
+def test_bad_lora_settings_are_refused_by_the_config_check(flags, match):
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", *LORA, *flags])
+    with pytest.raises(ConfigError, match=match):
+        validate_config(cfg, sources, world_size=1)
+
+
+def _final_params(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model_parts[0].named_parameters()}
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume_exactly_on_their_base_only(tmp_path):
+    """The base is a plain run's checkpoint; the LoRA run's checkpoints hold its adapters (and their optimizer
+    state) but no base weight, resume bitwise, and refuse another base in one line."""
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", "3")
+    for seed in (0, 1):
+        base = make_trainer(tmp_path / f"base{seed}", "--training.steps", "1", "--debug.seed", str(seed), *ckpt)
+        base.train()
+        base.close()
+    lora = (*LORA, *ckpt, "--checkpoint.initial_load_path", str(tmp_path / "base0/checkpoint/step-1"),
+            "--training.steps", "6")
+    straight = make_trainer(tmp_path / "straight", *lora)
+    straight.train()
+    straight.close()
+
+    # The uninterrupted run's step-3 checkpoint, in a folder of its own.
+    (tmp_path / "resumed/checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight/checkpoint/step-3", tmp_path / "resumed/checkpoint/step-3")
+    metadata = torch.distributed.checkpoint.FileSystemReader(tmp_path / "resumed/checkpoint/step-3").read_metadata()
+    models = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
+    assert models and all(".lora_a." in k or ".lora_b." in k for k in models)
+    assert any(k.startswith("optimizer.state.") for k in metadata.state_dict_metadata)
+    resumed = make_trainer(tmp_path / "resumed", *lora)
+    assert resumed.step == 3
+    resumed.train()
+    ours, expected = _final_params(resumed), _final_params(straight)
+    for name in expected:
+        assert torch.equal(ours[name], expected[name]), name
+
+    other = [*lora, "--checkpoint.initial_load_path", str(tmp_path / "base1/checkpoint/step-1")]
+    with pytest.raises(CheckpointError, match="adapters were trained on another base model: its tok_embeddings"):
+        make_trainer(tmp_path / "resumed", *other, "--training.steps", "9")

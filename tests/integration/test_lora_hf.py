@@ -1,0 +1,123 @@
+"""LoRA adapters and PEFT: our export loads with peft.PeftModel on transformers' load of our base export with our
+logits; an adapter peft made imports into ours with peft's logits; --merge_lora gives a plain model with them.
+
+The tiny flavor's RoPE rotates adjacent pairs, so the q and k projections' rows (and their adapters' B) are
+permuted on the way to Hugging Face: the comparisons cover that too.
+"""
+
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+from scripts import convert_to_hf
+from tests.integration.test_training import make_trainer
+from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.config import load_config
+from torchtitan.inference import build_model
+from torchtitan.models.lora import is_adapter_param
+
+CONFIG = "train_configs/tiny.toml"
+TARGETS = "attention.*,feed_forward.*"
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _tokens(vocab: int = 2048) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+
+
+def _hf(folder) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A Hugging Face folder of the tiny model at its seeded initialisation (seed 3, not the runs' 0)."""
+    cfg, _ = load_config(["--job.config_file", CONFIG, "--debug.seed", "3"])
+    model, spec = build_model(cfg)
+    folder = tmp_path_factory.mktemp("base")
+    tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
+    write_hf_folder(folder, model.state_dict(), spec.state_dict_adapter(model.args), tokenizer,
+                    cfg.model.hf_assets_path, "float32")
+    return folder
+
+
+def _lora_flags(base, *extra: str) -> list[str]:
+    return ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8", "--lora.targets", TARGETS,
+            "--checkpoint.enable", "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf",
+            *extra]
+
+
+def test_our_adapter_export_loads_in_peft_and_merges_with_our_logits(base, tmp_path):
+    flags = _lora_flags(base, "--training.steps", "3", "--optimizer.lr", "1e-2", "--checkpoint.last_save_model_only",
+                        "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "float32")
+    trainer = make_trainer(tmp_path / "run", *flags)
+    trainer.train()
+    trainer.close()
+    export = tmp_path / "run/checkpoint/export-step-3"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, str(base))
+
+    tokens = _tokens()
+    ours = trainer.model_parts[0].eval()
+    theirs = peft.PeftModel.from_pretrained(_hf(base), str(export)).eval()
+    with torch.no_grad():
+        expected = ours(tokens)
+        assert (theirs(tokens).logits - expected).abs().max().item() <= 1e-4
+        # The adapters matter: the base alone is far off.
+        assert (_hf(base)(tokens).logits - expected).abs().max().item() > 1e-2
+
+    # The same run's step checkpoint (adapters only) merged into a plain folder by the converter.
+    toml = tmp_path / "lora.toml"
+    toml.write_text(f'extends = "{(tmp_path.cwd() / CONFIG).as_posix()}"\n[model]\nconverters = ["lora"]\n'
+                    f'[lora]\nrank = 4\nalpha = 8.0\ntargets = {json.dumps(TARGETS.split(","))}\n'
+                    f'[checkpoint]\ninitial_load_path = "{base}"\ninitial_load_in_hf = true\n')
+    merged = tmp_path / "merged"
+    step = tmp_path / "run/checkpoint/step-3"
+    assert convert_to_hf.main([str(step), str(merged), "--config", str(toml), "--merge_lora", "--dtype",
+                               "float32"]) == 0
+    with torch.no_grad():
+        assert (_hf(merged)(tokens).logits - expected).abs().max().item() <= 1e-4
+    # And as a PEFT folder again, from the step checkpoint: the same tensors as the trainer's export.
+    adapter = tmp_path / "adapter"
+    assert convert_to_hf.main([str(step), str(adapter), "--config", str(toml), "--lora_adapter", "--dtype",
+                               "float32"]) == 0
+    from safetensors.torch import load_file
+    exported, converted = (load_file(str(f / "adapter_model.safetensors")) for f in (export, adapter))
+    assert exported.keys() == converted.keys() and all(torch.equal(exported[k], converted[k]) for k in exported)
+    # A plain conversion of a LoRA checkpoint is refused, naming the two ways.
+    assert convert_to_hf.main([str(step), str(tmp_path / "plain"), "--config", str(toml)]) == 2
+
+
+def test_an_adapter_peft_made_imports_with_peft_logits_and_trains_on(base, tmp_path):
+    torch.manual_seed(torch.seed() % 2**31)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=HF_TARGETS, init_lora_weights=False)
+    made = peft.get_peft_model(_hf(base), config)  # init_lora_weights=False: B random too, so it shows
+    made.save_pretrained(str(tmp_path / "peft"))
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = made.eval()(tokens).logits
+
+    trainer = make_trainer(tmp_path / "run", *_lora_flags(base, "--lora.adapter_path", str(tmp_path / "peft"),
+                                                          "--training.steps", "2"))
+    model = trainer.model_parts[0]
+    with torch.no_grad():
+        assert (model.eval()(tokens) - expected).abs().max().item() <= 1e-4
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_param(n)}
+    model.train()
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if is_adapter_param(n))
+
+
+def test_an_adapter_of_another_rank_or_other_layers_is_refused_in_one_line(base, tmp_path):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    peft.get_peft_model(_hf(base), config).save_pretrained(str(tmp_path / "peft"))
+    from torchtitan.config import ConfigError
+    with pytest.raises(ConfigError, match="r = 4, lora_alpha = 8, but this run has lora.rank = 8"):
+        make_trainer(tmp_path / "a", *_lora_flags(base, "--lora.adapter_path", str(tmp_path / "peft"),
+                                                  "--lora.rank", "8"))
+    with pytest.raises(ConfigError, match="has no layers.0.attention.wk.lora_a.weight; set lora.targets"):
+        make_trainer(tmp_path / "b", *_lora_flags(base, "--lora.adapter_path", str(tmp_path / "peft")))

@@ -1,0 +1,65 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): y = base(x) + (alpha / r) * B(A(dropout(x))).
+
+A layer keeps its class's own forward for the base (a plain or a float8 Linear) and its ``weight`` under the
+same name, so checkpoints and Hugging Face names of the base are unchanged; the adapter is two child Linears,
+``lora_a`` (r x in) and ``lora_b`` (out x r). B starts at zero, so an adapted model starts as its base.
+"""
+
+from torch import nn
+
+_ADAPTED_CLASSES: dict[type, type] = {}
+
+
+class LoRAForward:
+    """Mixed in ahead of a Linear class: its output plus the adapter's."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_dropout: nn.Module
+    lora_scale: float
+
+    def forward(self, x):
+        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scale
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    """Give ``linear`` (in place) an adapter of rank ``rank`` on the same device and dtype as its weight."""
+    cls = type(linear)
+    if cls not in _ADAPTED_CLASSES:
+        _ADAPTED_CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRAForward, cls), {})
+    linear.__class__ = _ADAPTED_CLASSES[cls]
+    factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+    linear.lora_a = nn.Linear(linear.in_features, rank, bias=False, **factory)
+    linear.lora_b = nn.Linear(rank, linear.out_features, bias=False, **factory)
+    # nn.Identity when off: a zero-probability dropout still dispatches a random op (and DTensor's RNG tracking).
+    linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    linear.lora_scale = alpha / rank
+
+
+def is_adapted(module: nn.Module) -> bool:
+    return isinstance(module, LoRAForward)
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name (any prefix) is an adapter's."""
+    return ".lora_a." in f".{name}" or ".lora_b." in f".{name}"
+
+
+def adapter_settings(model: nn.Module) -> tuple[int, float, float]:
+    """(rank, alpha, dropout) of the model's adapters, which one LoRA converter made alike."""
+    module = next(m for m in model.modules() if is_adapted(m))
+    dropout = module.lora_dropout.p if isinstance(module.lora_dropout, nn.Dropout) else 0.0
+    rank = module.lora_a.out_features
+    return rank, module.lora_scale * rank, dropout
+
+
+def merge_adapters(state: dict, scale: float) -> dict:
+    """A full state dict with each adapter folded into its base, W + scale * B @ A (in float32), and the adapters
+    dropped: the plain model's weights."""
+    merged = {name: t for name, t in state.items() if not is_adapter_param(name)}
+    for name, a in state.items():
+        if name.endswith(".lora_a.weight"):
+            module = name.removesuffix(".lora_a.weight")
+            b, w = state[f"{module}.lora_b.weight"], state[f"{module}.weight"]
+            merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return merged
