@@ -200,10 +200,14 @@ def _check_converters(c: _Checker) -> None:
     from torchtitan.protocols.model_converter import config_problems
 
     c.report("model", config_problems(c.cfg.model.converters))
+    lora_keys = sorted(key for key in c.sources if key.startswith("lora."))
+    c.require("model.converters", "lora" in c.cfg.model.converters or not lora_keys,
+              f"does not list 'lora', but {', '.join(lora_keys)} is set; add 'lora' to model.converters (or remove "
+              "the [lora] settings)")
     if "lora" in c.cfg.model.converters:
         from torchtitan.components.lora import config_problems as lora_problems
 
-        c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters))
+        c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters, c.cfg.parallelism))
 
 
 def _check_data(c: _Checker) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchtitan.components.checkpoint import CheckpointError, ModelState, load_state
+from torchtitan.components.checkpoint import CheckpointError, load_state
+from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.checkpoint_storage import verify_checkpoint
 from torchtitan.components.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.components.lora import LoRAConverter
@@ -56,7 +57,7 @@ def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path, include=lam
 def load_dcp_model(model: nn.Module, location: str | Path, include=lambda name: True) -> None:
     """Model weights (those ``include(name)`` accepts) from a DCP checkpoint folder or URL, checked against the
     model's names and shapes first."""
-    state = ModelState([model], include)
+    state = ModelState([model], include, loading_only=True)
     if reason := state.refusal(verify_checkpoint(str(location))):
         raise CheckpointError(f"cannot load checkpoint {location}: {reason}")
     load_state({"model": state}, str(location), no_dist=True)

@@ -1,6 +1,7 @@
 """LoRA: the adapted model starts as its base and trains only its adapters; 6 fp32 steps match the single
 process within 1e-4 under FSDP 2, TP 2, FSDP 2 x TP 2, PP 2 and compile (debug model, attention and
-feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets); bad targets and
+feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets), and QLoRA's
+under FSDP 2; checkpoints hold the adapters and resume exactly on their own base only; bad targets and
 settings are refused in one line."""
 
 import shutil
@@ -14,7 +15,7 @@ from tests.integration.test_training import make_trainer
 from torchtitan.components.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
-from torchtitan.models.lora import is_adapted, is_adapter_param
+from torchtitan.models.lora import is_adapted, is_adapter_param, is_nf4
 
 LORA = ("--model.converters", "lora", "--lora.rank", "4")
 # A high learning rate, so that 6 steps move the adapters (B starts at zero) enough to show in the loss.
@@ -27,6 +28,9 @@ DEBUG_LAYOUTS = {
     "lora_pp2": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
     "lora_compile": (1, [*TRAIN, "--training.local_batch_size", "4", "--training.global_batch_size", "8",
                          "--compile.enable"]),
+    # QLoRA: the NF4 base is whole on each rank, quantised from the whole weight, so FSDP changes nothing in it.
+    "qlora_single": (1, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "8"]),
+    "qlora_fsdp2": (2, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "4"]),
 }
 MOE_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32", "--metrics.log_freq", "1",
               "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600", *LORA,
@@ -48,10 +52,11 @@ def suite_matrices(folder) -> dict[str, Matrix]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in DEBUG_LAYOUTS if name != "lora_single"] + ["lora_moe_ep2"])
+@pytest.mark.parametrize("layout", [name for name in DEBUG_LAYOUTS if not name.endswith("single")] + ["lora_moe_ep2"])
 def test_lora_matches_the_single_process(suite_runs, layout):
     runs = suite_runs[1]
-    reference = rows_of(runs, "lora_moe_single" if "moe" in layout else "lora_single")
+    reference = rows_of(runs, layout.replace("fsdp2", "single") if layout.startswith("qlora") else
+                        "lora_moe_single" if "moe" in layout else "lora_single")
     assert [r["step"] for r in reference] == list(range(1, 7))
     assert len({r["loss"] for r in reference}) == 6  # the adapters train, so the steps differ
     assert_same_steps(rows_of(runs, layout), reference)
@@ -99,11 +104,16 @@ def test_targets_lora_cannot_adapt_are_refused_in_one_line(tmp_path, flags, matc
     (("--lora.rank", "0"), "lora.rank = 0 is invalid; it must be >= 1"),
     (("--lora.dropout", "1.0"), r"lora.dropout = 1.0 is invalid; it must be in \[0, 1\)"),
     (("--model.converters", "lora,float8"), "lists 'float8' after 'lora'; list it first"),
+    (("--model.converters", "float8", "--lora.targets", "attention.*"),
+     "does not list 'lora', but lora.rank, lora.targets is set; add 'lora' to model.converters"),
+    (("--lora.base_dtype", "nf4", "--parallelism.tensor_parallel_degree", "2"),
+     "parallelism.tensor_parallel_degree = 2 must be 1 with lora.base_dtype = 'nf4'"),
+    (("--lora.base_dtype", "nf4", "--lora.train_base"), "cannot train an NF4 base"),
 ])
 def test_bad_lora_settings_are_refused_by_the_config_check(flags, match):
     cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", *LORA, *flags])
     with pytest.raises(ConfigError, match=match):
-        validate_config(cfg, sources, world_size=1)
+        validate_config(cfg, sources, world_size=2)
 
 
 def _final_params(trainer) -> dict[str, torch.Tensor]:
@@ -141,3 +151,35 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly_on_their_base_onl
     other = [*lora, "--checkpoint.initial_load_path", str(tmp_path / "base1/checkpoint/step-1")]
     with pytest.raises(CheckpointError, match="adapters were trained on another base model: its tok_embeddings"):
         make_trainer(tmp_path / "resumed", *other, "--training.steps", "9")
+
+
+def _inner_bytes(t: torch.Tensor) -> int:
+    """Storage of a tensor subclass's inner tensors (NF4: codes, scales, their scales), or of a plain tensor."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(_inner_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def test_qlora_stores_the_base_in_nf4_and_trains_only_the_adapters(tmp_path):
+    """lora.base_dtype = "nf4": every block Linear weight of the debug model is an NF4Tensor of at most 0.6 bytes
+    per weight; the model's logits stay near the float32 base's; 3 steps change the adapters only."""
+    flags = ("--model.flavor", "debugmodel", *LORA, "--training.steps", "3", "--optimizer.lr", "1e-2")
+    full = make_trainer(tmp_path / "full", *flags)
+    qlora = make_trainer(tmp_path / "nf4", *flags, "--lora.base_dtype", "nf4")
+    model = qlora.model_parts[0]
+    nf4 = {name: p for name, p in model.named_parameters() if is_nf4(p)}
+    assert len(nf4) == 7 * len(model.layers)  # q, k, v, o, w1, w2, w3 of every block
+    assert sum(_inner_bytes(p) for p in nf4.values()) / sum(p.numel() for p in nf4.values()) <= 0.6
+
+    tokens = next(iter(qlora.dataloader)).input_ids.to(qlora.device)
+    with torch.no_grad():
+        reference = full.model_parts[0](tokens)
+        error = ((model(tokens) - reference).norm() / reference.norm()).item()
+    assert 0 < error < 0.05, error  # 4 bits per weight: close to the base, not equal to it
+    print(f"NF4 base vs float32 base: relative logits error {error:.4f}")
+
+    before = {name: p.detach().to(torch.float32).clone() for name, p in model.named_parameters()}
+    qlora.train()
+    for name, p in model.named_parameters():
+        changed = not torch.equal(p.detach().to(torch.float32), before[name])
+        assert changed == is_adapter_param(name), name

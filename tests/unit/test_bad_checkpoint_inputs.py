@@ -19,7 +19,8 @@ from scripts import convert_from_hf, convert_to_hf
 from tests.bad_input import assert_one_line_error, snapshot
 from tests.unit.test_checkpoint_storage import FakeLoader
 from torchtitan import train
-from torchtitan.components.checkpoint import CheckpointManager, ModelState, TrainState
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint_states import ModelState, TrainState
 from torchtitan.components.checkpoint_storage import (
     CheckpointError,
     SafeLoadPlanner,

@@ -10,7 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.integration.remote_trainer import register
-from torchtitan.components.checkpoint import DataLoaderState, config_problems
+from torchtitan.components.checkpoint import config_problems
+from torchtitan.components.checkpoint_states import DataLoaderState
 from torchtitan.components.checkpoint_storage import (
     CheckpointError,
     checkpoint_location,

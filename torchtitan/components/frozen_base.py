@@ -41,7 +41,7 @@ class BaseFingerprint(Stateful):
             for name, p in part.named_parameters():
                 if p.requires_grad:
                     continue
-                x = p.detach().double()
+                x = p.detach().to(torch.float64)  # an NF4 weight: its dequantised values
                 sums = [x.sum(), x.square().sum()]
                 # A DTensor's sum is partial over the ranks it is sharded on; full_tensor adds them up.
                 sums = [s.full_tensor() if isinstance(s, DTensor) else s for s in sums]

@@ -7,6 +7,7 @@ from checkpoint.initial_load_path again on resume; components/checkpoint.py). Te
 adapter with its base (distributed/tensor_parallel.py).
 """
 
+import logging
 import math
 import re
 from fnmatch import fnmatch
@@ -20,15 +21,25 @@ from torchtitan.components.peft_adapter import read_peft_adapter
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import LoRA as LoRAConfig
 from torchtitan.log import logger
-from torchtitan.models.lora import add_adapter, is_adapted, is_adapter_param
+from torchtitan.models.lora import add_adapter, is_adapted, is_adapter_param, is_nf4, mark_nf4, nf4_weights
 from torchtitan.models.seeded_init import canonical_name, init_param_
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.protocols.train_spec import get_train_spec
 
 _IN_BLOCK = re.compile(r"^layers\.\d+\.(.+)$")
+# torchao's NF4 layout (the QLoRA paper's): absmax scales per 64 values, quantised in groups of 256.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
-def config_problems(cfg: LoRAConfig, converters: list[str]) -> list[tuple[str, str]]:
+def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    for name in ("torchao", "torch.utils._pytree"):  # its optional CUDA kernels' load failures on CPU-only machines
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from torchao.quantization import to_nf4 as torchao_to_nf4
+
+    return torchao_to_nf4(weight.contiguous(), block_size, scaler_block_size)
+
+
+def config_problems(cfg: LoRAConfig, converters: list[str], parallelism) -> list[tuple[str, str]]:
     """Problems with the [lora] section (and the converters' order) as (full key, reason) pairs."""
     problems = []
     if cfg.rank < 1:
@@ -42,6 +53,17 @@ def config_problems(cfg: LoRAConfig, converters: list[str]) -> list[tuple[str, s
     if cfg.adapter_path is not None and not Path(cfg.adapter_path).is_dir():
         problems.append(("lora.adapter_path", "is not a folder (a PEFT adapter folder: adapter_config.json, "
                          "adapter_model.safetensors)"))
+    if cfg.base_dtype == "nf4":
+        if cfg.train_base:
+            problems.append(("lora.train_base", "cannot train an NF4 base (lora.base_dtype = 'nf4' stores it "
+                             "frozen in 4 bits); set lora.base_dtype = 'model' to train it"))
+        for key in ("tensor_parallel_degree", "expert_parallel_degree"):
+            if getattr(parallelism, key) > 1:
+                problems.append((f"parallelism.{key}", "must be 1 with lora.base_dtype = 'nf4': the NF4 base is "
+                                 "held whole on every rank (data parallelism, FSDP and pipelining work)"))
+        if "float8" in converters:
+            problems.append(("model.converters", "lists 'float8', whose matmuls need a high-precision weight; "
+                             "lora.base_dtype = 'nf4' stores the base in 4 bits (use one or the other)"))
     if "float8" in converters and converters.index("float8") > converters.index("lora"):
         problems.append(("model.converters", "lists 'float8' after 'lora'; list it first, so the "
                          "base layers are float8 and the adapters wrap them"))
@@ -92,6 +114,8 @@ class LoRAConverter:
             self._start = self._read_adapter(model, targets)
         for _, module in targets:
             add_adapter(module, self.cfg.rank, self.cfg.alpha, self.cfg.dropout)
+        if self.cfg.base_dtype == "nf4":
+            self._mark_nf4(model)
         total = trainable = 0
         for name, param in model.named_parameters():
             if not is_adapter_param(name):
@@ -127,6 +151,23 @@ class LoRAConverter:
                                   f"{list(state[name].shape)}, but this model needs {list(shape)} (check model.flavor)")
         return state
 
+    @staticmethod
+    def _mark_nf4(model: nn.Module) -> None:
+        """QLoRA: every block's Linear base weight that NF4 can hold (whole 64-value blocks, their scales in
+        whole groups of 256) is to be stored in NF4; the router's gate stays (it chooses the experts)."""
+        kept = []
+        for name, module in model.named_modules():
+            if not (_IN_BLOCK.match(name) and isinstance(module, nn.Linear)) or is_adapter_param(name + ".weight") \
+                    or name.endswith("router.gate"):
+                continue
+            if module.weight.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+                kept.append(name)
+            else:
+                mark_nf4(module)
+        logger.info(f"lora: the base's block Linear weights are stored in NF4 ({len(nf4_weights(model))} weights"
+                    + (f"; kept in training.dtype, too small for NF4's blocks: {', '.join(kept)}" if kept else "")
+                    + ")")
+
     def init_weights(self, model_part: nn.Module, seed: int) -> None:
         """A Kaiming-uniform, B zero (so the adapted model starts as its base), layout-independent (seeded_init);
         or lora.adapter_path's values."""
@@ -142,6 +183,12 @@ class LoRAConverter:
                 else:
                     init_param_(module.lora_a.weight, f"{name}.lora_a.weight", seed, _kaiming_uniform)
                     module.lora_b.weight.zero_()
+        for module in model_part.modules():
+            if getattr(module, "nf4_weight", False) and not is_nf4(module.weight):
+                # Quantised from the initialised weight; a base checkpoint loads into it later (NF4's copy_
+                # quantises the whole incoming weight).
+                module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),
+                                             requires_grad=False)
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         pass

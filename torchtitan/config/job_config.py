@@ -286,6 +286,9 @@ class LoRA:
         "attention.*, feed_forward.*, moe.shared_experts.*")
     train_base: bool = option(False, "LoRA: train the base weights too (by default they are frozen: no gradient, "
                                      "no optimizer state, not in checkpoints)")
+    base_dtype: Literal["model", "nf4"] = option(
+        "model", "LoRA: how the frozen base's Linear weights are stored: model = training.dtype; nf4 = 4-bit "
+        "NormalFloat with double-quantised scales (QLoRA, torchao), dequantised per matmul in the compute dtype")
     adapter_path: str | None = option(
         None, "LoRA: a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
         "from instead of A random, B zero; the run's own checkpoints, once it has some, take precedence")

@@ -7,6 +7,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.hardware import DTYPES
+from torchtitan.models.lora import nf4_weights
 from torchtitan.models.moe import GroupedExperts
 
 
@@ -28,6 +29,8 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
+    if nf4 := nf4_weights(model):
+        kwargs["ignored_params"] = nf4  # a QLoRA base: whole on every rank, in NF4 (models/lora.py)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     # With PP each micro-batch re-runs forward, so resharding would re-gather the weights every time.

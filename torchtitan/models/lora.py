@@ -40,6 +40,28 @@ def is_adapted(module: nn.Module) -> bool:
     return isinstance(module, LoRAForward)
 
 
+def mark_nf4(linear: nn.Linear) -> None:
+    """Mark a frozen Linear whose weight is to be stored as NF4 (QLoRA): FSDP leaves it out, so that every rank
+    holds it whole, quantised from the whole weight (NF4's second-level scales are statistics of the whole
+    tensor), and the converter quantises it once the weights are materialised."""
+    linear.nf4_weight = True
+
+
+def nf4_weights(model: nn.Module) -> set[nn.Parameter]:
+    """The weights ``mark_nf4`` marked."""
+    return {m.weight for m in model.modules() if getattr(m, "nf4_weight", False)}
+
+
+def is_nf4(tensor) -> bool:
+    """Whether a tensor is torchao's NF4Tensor (told by name: models/ does not import torchao)."""
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+def dequantized(tensor):
+    """An NF4 weight's values as a plain tensor (in its original dtype); any other tensor as it is."""
+    return tensor.get_original_weight() if is_nf4(tensor) else tensor
+
+
 def is_adapter_param(name: str) -> bool:
     """Whether a parameter name (any prefix) is an adapter's."""
     return ".lora_a." in f".{name}" or ".lora_b." in f".{name}"
@@ -55,11 +77,11 @@ def adapter_settings(model: nn.Module) -> tuple[int, float, float]:
 
 def merge_adapters(state: dict, scale: float) -> dict:
     """A full state dict with each adapter folded into its base, W + scale * B @ A (in float32), and the adapters
-    dropped: the plain model's weights."""
-    merged = {name: t for name, t in state.items() if not is_adapter_param(name)}
+    dropped: the plain model's weights (an NF4 base dequantised)."""
+    merged = {name: dequantized(t) for name, t in state.items() if not is_adapter_param(name)}
     for name, a in state.items():
         if name.endswith(".lora_a.weight"):
             module = name.removesuffix(".lora_a.weight")
-            b, w = state[f"{module}.lora_b.weight"], state[f"{module}.weight"]
+            b, w = state[f"{module}.lora_b.weight"], dequantized(state[f"{module}.weight"])
             merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return merged
