@@ -115,7 +115,8 @@ def apply_moe_parallel(model: nn.Module, parallel_dims: ParallelDims) -> bool:
             for name, hidden_dim in _HIDDEN_DIM.items():
                 placements = [*([Shard(0)] if on_ep else []), *([Shard(hidden_dim)] if on_tp else [])]
                 param = getattr(moe.experts, name)
-                setattr(moe.experts, name, nn.Parameter(distribute_tensor(param.data, mesh, placements)))
+                setattr(moe.experts, name, nn.Parameter(distribute_tensor(param.data, mesh, placements),
+                                                      requires_grad=param.requires_grad))
         moe.parallelize(MoEParallelism(
             expert_exchange=ExpertAllToAll(parallel_dims.submesh("ep").get_group()) if on_ep else None,
             sum_partial_grad=partial(sum_grad_over, group=parallel_dims.submesh("tp").get_group()) if on_tp else None,

@@ -154,6 +154,9 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     """
     block_plan = block_plan or grouped_query_attention_plan
     computes_loss = getattr(model.output, "computes_loss", False)
+    # torch's SequenceParallel makes the parameters it distributes trainable whatever they were; a frozen weight
+    # (a LoRA base's norm) is frozen again below.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(
         model,
         tp_mesh,
@@ -182,6 +185,9 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
         # Embedding and output are both sharded on the vocabulary (dim 0), so a tied pair can share
         # one DTensor again after the plan gave each module its own.
         model.tie_weights()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
 
 
 def _style(entry: ParallelStyle | ComputeWhole, module: nn.Module) -> ParallelStyle:
