@@ -50,14 +50,21 @@ def run(folder: pathlib.Path, options: list[str], steps: int) -> list[dict]:
     return rows
 
 
-def trainable_parameters(options: list[str]) -> tuple[int, int]:
-    """(trainable, all) parameters of the run's model, built on the meta device as the planner does."""
+def planned(options: list[str]) -> tuple[int, int, float]:
+    """(trainable, all) parameters of the run's model, built on the meta device, and the planner's bytes of its
+    weights, gradients and optimizer state (the planner is held to what is allocated:
+    tests/unit/test_optimizer_states.py)."""
     from torchtitan.config import load_config
-    from torchtitan.planner import model_shape
+    from torchtitan.hardware import DTYPES
+    from torchtitan.planner import model_shape, predict_memory, resolve_layout
 
-    cfg, _ = load_config(options)
-    tensors = model_shape(cfg).tensors
-    return sum(n for n, _, _, trainable in tensors if trainable), sum(n for n, *_ in tensors)
+    # The compute dtype changes none of these; "auto" is resolved by the trainer only.
+    cfg, _ = load_config([*options, "--training.mixed_precision_param", "float32"])
+    shape = model_shape(cfg)
+    memory = predict_memory(shape, cfg, resolve_layout(cfg, 1), on_cpu=True)
+    trainable = sum(n for n, _, _, trainable in shape.tensors if trainable)
+    gradients = trainable * DTYPES[cfg.training.dtype].itemsize
+    return trainable, shape.params, memory.params + gradients + memory.optimizer
 
 
 def main() -> None:
@@ -81,19 +88,22 @@ def main() -> None:
                    "", environment(), "",
                    "`python benchmarks/sft_lora.py`: one process, batch 8 x 512, the presets' learning rates "
                    "(full 8e-4, LoRA/QLoRA 2e-3); held-out loss = validation on pydocs_chat's validation split, "
-                   "assistant tokens only (10 batches); peak memory = the largest `memory_gib` the trainer logged "
-                   "(on CPU: the process's resident memory); step time = median over steps 2 onward.", "",
+                   "assistant tokens only (10 batches); weights + gradients + optimizer = the planner's figure for the "
+                   "run's model (equal to what is allocated: the part LoRA shrinks); peak memory = the largest "
+                   "`memory_gib` the trainer logged (on CPU: the process's peak resident memory, which activations "
+                   "and the runtime dominate for this small model); step time = median over steps 2 onward.", "",
                    f"Held-out assistant loss of the pretrained base before fine-tuning: {base_loss:.4f}", "",
-                   "| run | trainable parameters | peak memory (GiB) | step time (s) | held-out loss @ 50 | "
-                   f"held-out loss @ {args.steps} |",
-                   "|---|---|---|---|---|---|"], args.output)
+                   "| run | trainable parameters | weights + gradients + optimizer (MiB) | peak memory (GiB) | "
+                   f"step time (s) | held-out loss @ 50 | held-out loss @ {args.steps} |",
+                   "|---|---|---|---|---|---|---|"], args.output)
     for name, options in RUNS.items():
         rows = run(args.runs_folder / name.split()[0].lower(), [*options, *start], args.steps)
-        trainable, total = trainable_parameters(options)
+        trainable, total, state_bytes = planned(options)
         validation = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
         step_time = statistics.median(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 1)
         memory = max(r["memory_gib"] for r in rows if "memory_gib" in r)
-        table.add(f"| {name} | {trainable:,} of {total:,} ({100 * trainable / total:.2f}%) | {memory:.2f} | "
+        table.add(f"| {name} | {trainable:,} of {total:,} ({100 * trainable / total:.2f}%) | "
+                  f"{state_bytes / 2**20:.1f} | {memory:.2f} | "
                   f"{step_time:.3f} | {validation.get(50, float('nan')):.4f} | {validation[args.steps]:.4f} |")
     table.close()
 

@@ -31,6 +31,7 @@ from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocas
 from torchtitan.hardware import DTYPES
 from torchtitan.models import amx_attention
 from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.lora import nf4_weights
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 GIB = 2**30
@@ -51,6 +52,9 @@ CPU_TIMING_MAX_BLOCK_PARAMS = 200_000_000
 class PlanError(ValueError):
     """The plan cannot be made; the message names the input and what is valid."""
 
+# Bytes per weight of torchao's NF4Tensor (QLoRA): 4-bit codes, an int8 scale per 64 values, a float32 factor per
+# 256 of those (and 68 bytes per tensor, left out).
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 @dataclass
 class ModelShape:
@@ -84,6 +88,7 @@ class ModelShape:
     # final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
     # (components/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
     tensors: tuple[tuple[int, str, bool, bool], ...] = ()
+    nf4_params: int = 0  # block weights a QLoRA base stores in NF4 (lora.base_dtype), whole on every rank
 
     @property
     def routed_params_per_block(self) -> float:
@@ -154,6 +159,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     muon = {id(p) for _, p in split_parameters([model])[0]}
     tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
                      id(p) in muon, p.requires_grad) for p in model.parameters())
+    nf4_params = sum(p.numel() for p in nf4_weights(model))
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
@@ -164,7 +170,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
-        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors,
+        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors, nf4_params=nf4_params,
     )
 
 
@@ -338,7 +344,9 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     if shared_embedding:
         head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
-    params = params_local * s
+    # An NF4 base is not sharded (FSDP leaves it out) and takes NF4_BYTES per weight instead of s.
+    nf4_local = rank.blocks / m.n_layers * m.nf4_params
+    params = params_local * s - nf4_local / tp / layout.fsdp_degree * s + nf4_local * NF4_BYTES
     embedding_copies = int(rank.first) + int(shared_embedding)
     grads = _rank_tensor_bytes(m, rank, tp * layout.fsdp_degree, embedding_copies, lambda elements, _: s * elements)
     optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)

@@ -160,3 +160,30 @@ def test_the_planner_counts_optimizer_state_of_the_adapters_only_under_lora():
     memory = predict_memory(shape, job, resolve_layout(job, 1), on_cpu=True)
     assert memory.optimizer == pytest.approx(measured, rel=1e-6)
     assert memory.optimizer == pytest.approx(8 * sum(p.numel() for p in adapters), rel=1e-6)
+
+
+def test_the_planner_counts_an_nf4_base_at_the_bytes_torchao_allocates():
+    """QLoRA: the planner's parameter bytes equal those of the materialised model, whose NF4 weights are counted
+    by torchao's inner tensors (codes and scales)."""
+    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.config import load_config
+    from torchtitan.models.lora import is_nf4
+    from torchtitan.planner import model_shape, predict_memory, resolve_layout
+    from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+
+    job, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", "--training.mixed_precision_param",
+                          "float32", "--model.converters", "lora", "--lora.base_dtype", "nf4"])
+    shape = model_shape(job)
+    spec = get_train_spec(job.model.name)
+    with torch.device("meta"):
+        model = spec.model_cls(build_model_args(spec, job.model, shape.vocab, job.training.seq_len))
+    converter = LoRAConverter(job, None)
+    converter.convert(model)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    converter.init_weights(model, 0)
+    assert sum(is_nf4(p) for p in model.parameters()) == 7 * len(model.layers)
+    measured = sum(_state_bytes(p) if not is_nf4(p) else
+                   sum(_state_bytes(getattr(p, n)) for n in p.__tensor_flatten__()[0]) for p in model.parameters())
+    planned = predict_memory(shape, job, resolve_layout(job, 1), on_cpu=True).params
+    assert planned == pytest.approx(measured, rel=1e-3)
