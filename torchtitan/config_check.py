@@ -6,7 +6,7 @@ import dataclasses
 import importlib
 from typing import Any
 
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, LoRA
 from torchtitan.config.loading import ConfigError, ConfigSources, load_config
 from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -200,9 +200,11 @@ def _check_converters(c: _Checker) -> None:
     from torchtitan.protocols.model_converter import config_problems
 
     c.report("model", config_problems(c.cfg.model.converters))
-    lora_keys = sorted(key for key in c.sources if key.startswith("lora."))
-    c.require("model.converters", "lora" in c.cfg.model.converters or not lora_keys,
-              f"does not list 'lora', but {', '.join(lora_keys)} is set; add 'lora' to model.converters (or remove "
+    # A [lora] setting off its default does nothing without the converter (a resolved config.toml holds them all).
+    changed = [f"lora.{f.name}" for f in dataclasses.fields(c.cfg.lora)
+               if getattr(c.cfg.lora, f.name) != getattr(LoRA(), f.name)]
+    c.require("model.converters", "lora" in c.cfg.model.converters or not changed,
+              f"does not list 'lora', but {', '.join(changed)} is set; add 'lora' to model.converters (or remove "
               "the [lora] settings)")
     if "lora" in c.cfg.model.converters:
         from torchtitan.components.lora import config_problems as lora_problems

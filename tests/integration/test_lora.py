@@ -104,7 +104,7 @@ def test_targets_lora_cannot_adapt_are_refused_in_one_line(tmp_path, flags, matc
     (("--lora.rank", "0"), "lora.rank = 0 is invalid; it must be >= 1"),
     (("--lora.dropout", "1.0"), r"lora.dropout = 1.0 is invalid; it must be in \[0, 1\)"),
     (("--model.converters", "lora,float8"), "lists 'float8' after 'lora'; list it first"),
-    (("--model.converters", "float8", "--lora.targets", "attention.*"),
+    (("--model.converters", "float8", "--lora.targets", "feed_forward.*"),
      "does not list 'lora', but lora.rank, lora.targets is set; add 'lora' to model.converters"),
     (("--lora.base_dtype", "nf4", "--parallelism.tensor_parallel_degree", "2"),
      "parallelism.tensor_parallel_degree = 2 must be 1 with lora.base_dtype = 'nf4'"),
