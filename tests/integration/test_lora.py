@@ -1,6 +1,6 @@
 """LoRA: the adapted model starts as its base and trains only its adapters; 6 fp32 steps match the single
-process within 1e-4 under FSDP 2, TP 2, FSDP 2 x TP 2, PP 2 and compile (debug model, attention and
-feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets), and QLoRA's
+process within 1e-4 under FSDP 2, TP 2, FSDP 2 x TP 2, PP 2, compile and CP 2 with activation checkpointing
+and the chunked loss (debug model, attention and feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets), and QLoRA's
 under FSDP 2; checkpoints hold the adapters and resume exactly on their own base only; bad targets and
 settings are refused in one line."""
 
@@ -28,6 +28,9 @@ DEBUG_LAYOUTS = {
     "lora_pp2": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
     "lora_compile": (1, [*TRAIN, "--training.local_batch_size", "4", "--training.global_batch_size", "8",
                          "--compile.enable"]),
+    # Context parallelism with full activation checkpointing and the chunked loss.
+    "lora_cp2_ac_chunked": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree",
+                                "2", "--activation_checkpoint.mode", "full", "--training.loss_chunk_size", "16"]),
     # QLoRA: the NF4 base is whole on each rank, quantised from the whole weight, so FSDP changes nothing in it.
     "qlora_single": (1, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "8"]),
     "qlora_fsdp2": (2, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "4"]),
@@ -184,3 +187,18 @@ def test_qlora_stores_the_base_in_nf4_and_trains_only_the_adapters(tmp_path):
     for name, p in model.named_parameters():
         changed = not torch.equal(p.detach().to(torch.float32), before[name])
         assert changed == is_adapter_param(name), name
+
+
+def test_lora_on_float8_base_layers_trains_the_adapters_in_high_precision(tmp_path):
+    """converters = ["float8", "lora"]: the adapted layers are float8 Linears (emulated on CPU) whose adapters are
+    plain Linears; 2 steps train the adapters only."""
+    trainer = make_trainer(tmp_path, "--model.converters", "float8,lora", "--quantize.linear.float8.emulate",
+                           "--lora.rank", "16", "--training.steps", "2", "--optimizer.lr", "1e-2")
+    model = trainer.model_parts[0]
+    adapted = [m for m in model.modules() if is_adapted(m)]
+    assert adapted and all(type(m).__name__ == "LoRAFloat8Linear" for m in adapted)
+    assert all(type(m.lora_a) is torch.nn.Linear and type(m.lora_b) is torch.nn.Linear for m in adapted)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.train()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) != is_adapter_param(name), name
