@@ -123,7 +123,7 @@ def train_matrices(folder: Path, matrices: dict[str, Matrix]) -> dict[str, list[
             jobs[full] = (layout[0], ["--job.config_file", matrix.config, *matrix.common, *layout[1],
                                       f"--job.dump_folder={folder / full}"], (*layout, matrix.entry)[2])
     results: dict[str, list[dict] | str] = {}
-    for nproc in sorted({job[0] for job in jobs.values()}):
+    for nproc in _launch_order(jobs, folder):
         names = [name for name, job in jobs.items() if job[0] == nproc]
         # One-process jobs are split over two concurrent launches of one thread each: much of their time is
         # compiling, which is single-threaded, so two of them use two cores where one launch would use one.
@@ -135,6 +135,20 @@ def train_matrices(folder: Path, matrices: dict[str, Matrix]) -> dict[str, list[
             for launch in launches:
                 results.update(launch.result())
     return results
+
+
+def _launch_order(jobs: dict, folder: Path) -> list[int]:
+    """The process counts in the order their launches run: fewest processes first, except that a launch whose
+    jobs read another launch's folders (a checkpoint to resume) runs after it."""
+    counts = sorted({job[0] for job in jobs.values()})
+    after = {n: {jobs[other][0] for name, job in jobs.items() if job[0] == n for other in jobs
+                 if jobs[other][0] != n and f"{folder / other}/" in " ".join(job[1])} for n in counts}
+    order: list[int] = []
+    while len(order) < len(counts):
+        ready = [n for n in counts if n not in order and after[n] <= set(order)]
+        assert ready, f"launches that read each other's folders: {after}"
+        order.append(ready[0])
+    return order
 
 
 def _cores() -> int:

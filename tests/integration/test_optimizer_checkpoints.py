@@ -5,7 +5,7 @@ FSDP 2, resumed under FSDP 2 (bitwise the uninterrupted steps 4-6), under TP 2 a
 
 import pytest
 
-from tests.integration.parity import COMMON, CONFIG, Matrix, rows_of, train_matrix
+from tests.integration.parity import COMMON, CONFIG, Matrix, rows_of
 
 RESUME = "tests.integration.resume_worker:main"
 OPTIMIZERS = {
@@ -33,35 +33,24 @@ def _name(optimizer: str, layout: str) -> str:
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
-    """The FSDP 2 runs that save, then the resumes in two-process layouts, in the same launch ("ockpt_")."""
+    """The FSDP 2 runs that save, then the resumes ("ockpt_"): the two-process ones in the same launch, the
+    one-process ones in the suite's one-process launches, which run after it (parity._launch_order)."""
     layouts = {}
     for optimizer, flags in OPTIMIZERS.items():
         layouts[f"{optimizer}_fsdp2"] = (FSDP2[0], [*flags, *STEPS, *FSDP2[1]])
     for optimizer, flags in OPTIMIZERS.items():
         for target, (nproc, layout) in TARGETS.items():
-            if nproc == 2:
-                source = folder / _name(optimizer, "fsdp2") / "checkpoint" / "step-3"
-                layouts[f"{optimizer}_{target}_resumed"] = (nproc, [*flags, *STEPS, *layout,
-                                                                     f"--resume-from={source}"], RESUME)
+            source = folder / _name(optimizer, "fsdp2") / "checkpoint" / "step-3"
+            layouts[f"{optimizer}_{target}_resumed"] = (nproc, [*flags, *STEPS, *layout, f"--resume-from={source}"],
+                                                        RESUME)
     return {"ockpt_": Matrix(layouts, CONFIG, COMMON)}
 
 
-@pytest.fixture(scope="module")
-def single_process_resumes(suite_runs):
-    """The one-process resumes, in one launch after the suite's (which saved the checkpoints)."""
-    folder, _ = suite_runs
-    nproc, layout = TARGETS["single"]
-    layouts = {_name(optimizer, "single_resumed"): (nproc, [
-        *flags, *STEPS, *layout, f"--resume-from={folder / _name(optimizer, 'fsdp2') / 'checkpoint' / 'step-3'}"],
-        RESUME) for optimizer, flags in OPTIMIZERS.items()}
-    return train_matrix(folder / "single_resumes", layouts)
-
-
-def _resumed(suite_runs, single_process_resumes, optimizer: str, target: str) -> tuple[list[dict], list[dict]]:
+def _resumed(suite_runs, optimizer: str, target: str) -> tuple[list[dict], list[dict]]:
     runs = suite_runs[1]
     straight = rows_of(runs, _name(optimizer, "fsdp2"))
     name = _name(optimizer, f"{target}_resumed")
-    resumed = rows_of(single_process_resumes if target == "single" else runs, name)
+    resumed = rows_of(runs, name)
     assert [r["step"] for r in straight] == list(range(1, 7)) and [r["step"] for r in resumed] == [4, 5, 6]
     assert straight[-1]["loss"] < straight[0]["loss"]
     return straight[3:], resumed
@@ -69,8 +58,8 @@ def _resumed(suite_runs, single_process_resumes, optimizer: str, target: str) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_resume_in_the_same_layout_is_bitwise(suite_runs, single_process_resumes, optimizer):
-    straight, resumed = _resumed(suite_runs, single_process_resumes, optimizer, "fsdp2")
+def test_resume_in_the_same_layout_is_bitwise(suite_runs, optimizer):
+    straight, resumed = _resumed(suite_runs, optimizer, "fsdp2")
     for ours, ref in zip(resumed, straight):
         assert (ours["loss"], ours["grad_norm"]) == (ref["loss"], ref["grad_norm"]), ours["step"]
 
@@ -78,8 +67,8 @@ def test_resume_in_the_same_layout_is_bitwise(suite_runs, single_process_resumes
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["tp2", "single"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_resume_in_another_layout_matches(suite_runs, single_process_resumes, optimizer, target):
-    straight, resumed = _resumed(suite_runs, single_process_resumes, optimizer, target)
+def test_resume_in_another_layout_matches(suite_runs, optimizer, target):
+    straight, resumed = _resumed(suite_runs, optimizer, target)
     tolerance = AdamW8BIT_ACROSS_LAYOUTS if optimizer == "adamw8bit" else 1e-5
     for ours, ref in zip(resumed, straight):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=tolerance), ours["step"]
