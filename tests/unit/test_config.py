@@ -1,5 +1,6 @@
 import dataclasses
 import typing
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -242,16 +243,21 @@ def test_malformed_configs_exit_2_from_both_entry_points(tmp_path, entry):
     """In a real process: exit code 2, one line on stderr, no traceback, nothing trained."""
     cases = [case for case in _cases(tmp_path) if case[0] in REAL_PROCESS_CASES]
     assert len(cases) == len(REAL_PROCESS_CASES)
-    for name, argv, expected in cases:
+
+    def run(name: str, argv: list[str]):
         dump = tmp_path / f"out_{name}"
         argv = argv + [f"--job.dump_folder={dump}"] if name not in ("not_a_flag", "missing_value") else argv
         if entry == "run_train.sh":
             config = [a for a in argv if a.endswith(".toml")]
             others = [a for a in argv if not a.endswith(".toml") and a != "--job.config_file"]
             env = {"NGPU": "1", "CONFIG_FILE": config[0] if config else "train_configs/tiny.toml"}
-            result = run_command(["./run_train.sh", *others], env=env)
-        else:
-            result = run_module("torchtitan.train", *argv)
+            return run_command(["./run_train.sh", *others], env=env), dump
+        return run_module("torchtitan.train", *argv), dump
+
+    # Two at a time: each process is mostly Python's imports, on one core.
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda case: run(case[0], case[1]), cases))
+    for (name, _, expected), (result, dump) in zip(cases, results):
         _assert_one_line_error(result, expected, name)
         assert not (dump / "metrics.jsonl").exists()
 
