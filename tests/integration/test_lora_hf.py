@@ -121,3 +121,24 @@ def test_an_adapter_of_another_rank_or_other_layers_is_refused_in_one_line(base,
                                                   "--lora.rank", "8"))
     with pytest.raises(ConfigError, match="has no layers.0.attention.wk.lora_a.weight; set lora.targets"):
         make_trainer(tmp_path / "b", *_lora_flags(base, "--lora.adapter_path", str(tmp_path / "peft")))
+
+
+def test_a_qlora_base_loads_from_a_hugging_face_folder_into_nf4(tmp_path):
+    """lora.base_dtype = "nf4" with a Hugging Face base: each NF4 weight is exactly torchao's quantisation of the
+    folder's weight (the load quantises the whole incoming tensor)."""
+    from torchao.quantization import to_nf4
+
+    from torchtitan.models.lora import is_nf4
+
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", "--debug.seed", "5"])
+    base, spec = build_model(cfg)
+    write_hf_folder(tmp_path / "base", base.state_dict(), spec.state_dict_adapter(base.args),
+                    spec.build_tokenizer_fn(cfg.model.hf_assets_path), cfg.model.hf_assets_path, "float32")
+    trainer = make_trainer(tmp_path / "run", "--job.config_file", "train_configs/debug_model.toml",
+                           *_lora_flags(tmp_path / "base", "--lora.base_dtype", "nf4"))
+    expected = dict(base.named_parameters())
+    nf4 = {name: p for name, p in trainer.model_parts[0].named_parameters() if is_nf4(p)}
+    assert len(nf4) == 7 * len(base.layers)
+    for name, p in nf4.items():
+        reference = to_nf4(expected[name].detach().contiguous(), 64, 256).get_original_weight()
+        assert torch.equal(p.get_original_weight(), reference), name
