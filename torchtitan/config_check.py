@@ -201,8 +201,9 @@ def _check_converters(c: _Checker) -> None:
 
     c.report("model", config_problems(c.cfg.model.converters))
     # A [lora] setting off its default does nothing without the converter (a resolved config.toml holds them all).
+    defaults = LoRA()
     changed = [f"lora.{f.name}" for f in dataclasses.fields(c.cfg.lora)
-               if getattr(c.cfg.lora, f.name) != getattr(LoRA(), f.name)]
+               if getattr(c.cfg.lora, f.name) != getattr(defaults, f.name)]
     c.require("model.converters", "lora" in c.cfg.model.converters or not changed,
               f"does not list 'lora', but {', '.join(changed)} is set; add 'lora' to model.converters (or remove "
               "the [lora] settings)")

@@ -20,3 +20,10 @@ def one_line(error: BaseException) -> str:
     """An exception as one line for an error message: its type and the first line of its text."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def quiet_torchao_import() -> None:
+    """Before importing torchao: on CPU-only machines it reports its optional CUDA kernels failing to load, and torch
+    warns about an enum torchao registers with pytree; both are expected and not the user's to act on."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -142,13 +142,18 @@ def _launch_order(jobs: dict, folder: Path) -> list[int]:
     jobs read another launch's folders (a checkpoint to resume) runs after it."""
     counts = sorted({job[0] for job in jobs.values()})
     after = {n: {jobs[other][0] for name, job in jobs.items() if job[0] == n for other in jobs
-                 if jobs[other][0] != n and f"{folder / other}/" in " ".join(job[1])} for n in counts}
+                 if jobs[other][0] != n and _reads(jobs, folder, name, other)} for n in counts}
     order: list[int] = []
     while len(order) < len(counts):
         ready = [n for n in counts if n not in order and after[n] <= set(order)]
         assert ready, f"launches that read each other's folders: {after}"
         order.append(ready[0])
     return order
+
+
+def _reads(jobs: dict, folder: Path, name: str, other: str) -> bool:
+    """Whether job ``name`` reads job ``other``'s folder (e.g. resumes its checkpoint)."""
+    return f"{folder / other}/" in " ".join(jobs[name][1])
 
 
 def _cores() -> int:
@@ -181,15 +186,16 @@ def _balanced_groups(names: list[str], jobs: dict, folder: Path, count: int = 2)
     """``names`` in ``count`` groups of about equal estimated time, each in the given order; a job that reads
     another's folder (a checkpoint it resumes) stays in that job's group."""
     owner = {name: name for name in names}  # union-find over jobs that read each other's folders
-    for name in names:
-        argv = " ".join(jobs[name][1])
-        for other in names:
-            if other != name and f"{folder / other}/" in argv:
-                owner[owner[name]] = owner[other]
-    def root(name):
+
+    def root(name: str) -> str:
         while owner[name] != name:
             name = owner[name]
         return name
+
+    for name in names:
+        for other in names:
+            if other != name and _reads(jobs, folder, name, other):
+                owner[root(name)] = root(other)
 
     def cost(name: str) -> float:
         argv = jobs[name][1]

@@ -1,21 +1,17 @@
 """float8 training of Linear layers through torchao, registered as the model converter "float8"."""
 
 import dataclasses
-import logging
 
 import torch._inductor.config
 from torch import nn
 
 from torchtitan.distributed.device import device_type
-from torchtitan.log import logger
+from torchtitan.log import logger, quiet_torchao_import
 from torchtitan.protocols.model_converter import register_model_converter
 
 
 def _import_torchao_float8():
-    # On CPU-only machines torchao reports its optional CUDA kernels failing to load, and torch warns about an
-    # enum torchao registers with pytree; both are expected and not the user's to act on.
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_torchao_import()
     from torchao import float8
     from torchao.float8.float8_linear import Float8Linear
 

@@ -7,7 +7,6 @@ from checkpoint.initial_load_path again on resume; components/checkpoint.py). Te
 adapter with its base (distributed/tensor_parallel.py).
 """
 
-import logging
 import math
 import re
 from fnmatch import fnmatch
@@ -20,8 +19,8 @@ from torchtitan.components.checkpoint_storage import CheckpointError
 from torchtitan.components.peft_adapter import read_peft_adapter
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import LoRA as LoRAConfig
-from torchtitan.log import logger
-from torchtitan.models.lora import add_adapter, is_adapted, is_adapter_param, is_nf4, mark_nf4, nf4_weights
+from torchtitan.log import logger, quiet_torchao_import
+from torchtitan.models.lora import add_adapter, is_adapted, is_adapter_param, is_nf4, mark_nf4, nf4_modules, nf4_weights
 from torchtitan.models.seeded_init import canonical_name, init_param_
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.protocols.train_spec import get_train_spec
@@ -32,8 +31,7 @@ NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
 def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    for name in ("torchao", "torch.utils._pytree"):  # its optional CUDA kernels' load failures on CPU-only machines
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_torchao_import()
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
     return torchao_to_nf4(weight.contiguous(), block_size, scaler_block_size)
@@ -179,12 +177,13 @@ class LoRAConverter:
                 if self._start is not None:
                     for side in ("lora_a", "lora_b"):
                         value = self._start[f"{name}.{side}.weight"]
-                        init_param_(getattr(module, side).weight, name, seed, lambda t, g, v=value: t.copy_(v))
+                        init_param_(getattr(module, side).weight, f"{name}.{side}.weight", seed,
+                                    lambda t, g, v=value: t.copy_(v))
                 else:
                     init_param_(module.lora_a.weight, f"{name}.lora_a.weight", seed, _kaiming_uniform)
                     module.lora_b.weight.zero_()
-        for module in model_part.modules():
-            if getattr(module, "nf4_weight", False) and not is_nf4(module.weight):
+        for module in nf4_modules(model_part):
+            if not is_nf4(module.weight):
                 # Quantised from the initialised weight; a base checkpoint loads into it later (NF4's copy_
                 # quantises the whole incoming weight).
                 module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),

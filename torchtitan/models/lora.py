@@ -47,9 +47,14 @@ def mark_nf4(linear: nn.Linear) -> None:
     linear.nf4_weight = True
 
 
+def nf4_modules(model: nn.Module) -> list[nn.Module]:
+    """The Linears ``mark_nf4`` marked."""
+    return [m for m in model.modules() if getattr(m, "nf4_weight", False)]
+
+
 def nf4_weights(model: nn.Module) -> set[nn.Parameter]:
     """The weights ``mark_nf4`` marked."""
-    return {m.weight for m in model.modules() if getattr(m, "nf4_weight", False)}
+    return {m.weight for m in nf4_modules(model)}
 
 
 def is_nf4(tensor) -> bool:
