@@ -15,6 +15,7 @@ from torch import nn
 from torchtitan.components.checkpoint import CheckpointError, load_state
 from torchtitan.components.checkpoint_states import ModelState
 from torchtitan.components.checkpoint_storage import verify_checkpoint
+from torchtitan.components.frozen_base import BaseFingerprint
 from torchtitan.components.hf_checkpoint import is_hf_folder, read_hf_model_state
 from torchtitan.components.lora import LoRAConverter
 from torchtitan.config import load_config
@@ -80,14 +81,19 @@ def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lamb
 
 def load_checkpoint(model: nn.Module, spec: TrainSpec, cfg: JobConfig, checkpoint: str) -> None:
     """A checkpoint's weights into ``build_model``'s model. A LoRA run's step checkpoints hold its adapters only:
-    the base then comes from the config's checkpoint.initial_load_path (or its seeded initialisation)."""
+    the base then comes from the config's checkpoint.initial_load_path (or its seeded initialisation), and is
+    checked against the base fingerprint the checkpoint keeps (components/frozen_base.py)."""
     adapted = any(is_adapter_param(name) for name, _ in model.named_parameters())
     if adapted and not is_hf_folder(Path(checkpoint)) and not is_url(checkpoint):
         saved = verify_checkpoint(checkpoint).state_dict_metadata
         if not any(k.startswith("model.") and not is_adapter_param(k) for k in saved):
-            if cfg.checkpoint.initial_load_path:
-                _load_weights(model, spec, cfg.checkpoint.initial_load_path, lambda n: not is_adapter_param(n))
+            base = cfg.checkpoint.initial_load_path
+            if base:
+                _load_weights(model, spec, base, lambda n: not is_adapter_param(n))
             load_dcp_model(model, checkpoint, is_adapter_param)
+            if any(k.startswith("base.") for k in saved):  # a base other than the run's is refused here
+                load_state({"base": BaseFingerprint([model], base or "the seeded initialisation")}, checkpoint,
+                           no_dist=True)
             return
     _load_weights(model, spec, checkpoint)
 

@@ -90,6 +90,12 @@ def test_our_adapter_export_loads_in_peft_and_merges_with_our_logits(base, tmp_p
     assert exported.keys() == converted.keys() and all(torch.equal(exported[k], converted[k]) for k in exported)
     # A plain conversion of a LoRA checkpoint is refused, naming the two ways.
     assert convert_to_hf.main([str(step), str(tmp_path / "plain"), "--config", str(toml)]) == 2
+    # Merging onto another base (a config without the run's initial_load_path: the seeded initialisation) is
+    # refused by the checkpoint's base fingerprint, and nothing is written.
+    no_base = tmp_path / "no_base.toml"
+    no_base.write_text(toml.read_text().split("[checkpoint]")[0])
+    assert convert_to_hf.main([str(step), str(tmp_path / "wrong"), "--config", str(no_base), "--merge_lora"]) == 2
+    assert not (tmp_path / "wrong").exists()
 
 
 def test_an_adapter_peft_made_imports_with_peft_logits_and_trains_on(base, tmp_path):
@@ -142,3 +148,27 @@ def test_a_qlora_base_loads_from_a_hugging_face_folder_into_nf4(tmp_path):
     for name, p in nf4.items():
         reference = to_nf4(expected[name].detach().contiguous(), 64, 256).get_original_weight()
         assert torch.equal(p.get_original_weight(), reference), name
+
+
+@pytest.mark.parametrize("broken, match", [
+    ("missing", "a PEFT adapter folder holds adapter_config.json and adapter_model.safetensors"),
+    ("config", "adapter_config.json is not valid JSON"),
+    ("weights", "adapter_model.safetensors is not a complete safetensors file"),
+])
+def test_a_broken_adapter_folder_is_refused_in_one_line_and_left_alone(base, tmp_path, broken, match):
+    from torchtitan.config import ConfigError
+
+    folder = tmp_path / "peft"
+    peft.get_peft_model(_hf(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=HF_TARGETS)).save_pretrained(
+        str(folder))
+    if broken == "missing":
+        (folder / "adapter_model.safetensors").unlink()
+    elif broken == "config":
+        (folder / "adapter_config.json").write_text("{not json")
+    else:
+        (folder / "adapter_model.safetensors").write_bytes((folder / "adapter_model.safetensors").read_bytes()[:100])
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ConfigError, match=match) as error:
+        make_trainer(tmp_path / "run", *_lora_flags(base, "--lora.adapter_path", str(folder)))
+    assert "\n" not in str(error.value)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before

@@ -55,7 +55,7 @@ class BaseFingerprint(Stateful):
                 raise CheckpointError(
                     f"the checkpoint's adapters were trained on another base model: its {name} has sum "
                     f"{saved[0].item():.6g} where this run's ({self.base_source}) has {ours[name][0].item():.6g}; "
-                    "resume with the checkpoint.initial_load_path the run started from")
+                    "use the checkpoint.initial_load_path the run started from (the run's config.toml records it)")
 
     def refusal(self, metadata) -> str | None:
         """A one-line reason when the checkpoint was saved with another set of frozen weights, else None."""

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from torchtitan.components.checkpoint_storage import CheckpointError
 from torchtitan.hardware import DTYPES
+from torchtitan.log import one_line
 from torchtitan.models.lora import adapter_settings, merge_adapters
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -83,7 +84,12 @@ def read_peft_adapter(folder: Path, hf_adapter, rank: int, alpha: float) -> dict
     if not (config_file.is_file() and weights_file.is_file()):
         raise CheckpointError(f"lora.adapter_path {folder}: a PEFT adapter folder holds {ADAPTER_CONFIG} and "
                               f"{ADAPTER_WEIGHTS}")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); replace it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} holds {type(config).__name__}, not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{config_file}: peft_type {config['peft_type']!r} is not LORA")
     for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
@@ -92,7 +98,12 @@ def read_peft_adapter(folder: Path, hf_adapter, rank: int, alpha: float) -> dict
     if config.get("r") != rank or float(config.get("lora_alpha", 8)) != float(alpha):
         raise CheckpointError(f"{config_file}: r = {config.get('r')}, lora_alpha = {config.get('lora_alpha')}, but "
                               f"this run has lora.rank = {rank}, lora.alpha = {alpha:g}; set them to the adapter's")
-    return from_peft(load_file(str(weights_file)), hf_adapter)
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as e:  # safetensors' own error type is not importable under a stable name
+        raise CheckpointError(f"{weights_file} is not a complete safetensors file ({one_line(e)}); replace it") \
+            from None
+    return from_peft(tensors, hf_adapter)
 
 
 def write_lora_export(folder: Path, state: dict[str, torch.Tensor], hf_adapter, model: torch.nn.Module,
