@@ -29,7 +29,7 @@ from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
 from torchtitan.models.lora import is_adapted
-from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole
+from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole, SplitByHeads
 
 # QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
 # as sharded on the heads dimension (2 of batch, seq, heads, head_dim) makes the weight a replicated
@@ -62,6 +62,8 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     if block.moe.shared_experts is not None:
         plan.update({"moe.shared_experts.w1": ColwiseParallel(), "moe.shared_experts.w3": ColwiseParallel(),
                      "moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial())})
+    if getattr(block.moe, "shared_gate", None) is not None:
+        plan["moe.shared_gate"] = ReplicatedWeightsOnly()  # whole, like the router (see MoE._shared)
     return plan
 
 
@@ -190,9 +192,24 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
             p.requires_grad_(False)
 
 
-def _style(entry: ParallelStyle | ComputeWhole, module: nn.Module) -> ParallelStyle:
+class ShardedParameters(ParallelStyle):
+    """Only split the module's parameters along dim 0 (see protocols' SplitByHeads); its inputs and outputs are
+    the rank's own heads already."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name, submodule, mesh):
+            for pname, param in list(submodule.named_parameters(recurse=False)):
+                submodule.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                                 requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition_fn=partition)
+
+
+def _style(entry: ParallelStyle | ComputeWhole | SplitByHeads, module: nn.Module) -> ParallelStyle:
     if isinstance(entry, ComputeWhole):
         return ReplicatedParallel(entry.partial_grad_from)  # replicates every parameter, adapters included
+    if isinstance(entry, SplitByHeads):
+        return ShardedParameters()
     if is_adapted(module) and isinstance(entry, (ColwiseParallel, RowwiseParallel)):
         # Same input and output layouts; only how the parameters are split differs.
         adapted = copy.copy(entry)

@@ -13,7 +13,7 @@ from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.models.feed_forward import FeedForward
 from torchtitan.models.moe import MoE
 from torchtitan.models.rope import RopeConvention, apply_rope, rope_table
-from torchtitan.models.seeded_init import canonical_name, decoder_fill, init_param_
+from torchtitan.models.seeded_init import FillFn, canonical_name, decoder_fill, init_param_
 
 
 class Attention(nn.Module):
@@ -60,13 +60,13 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: h = x + attention(norm(x)); out = h + ffn(norm(h)), where ffn is the dense
     ``feed_forward`` or, in a Mixture-of-Experts block, ``moe``."""
 
-    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: Attention,
-                 feed_forward: FeedForward | MoE):
+    def __init__(self, layer_id: int, dim: int, norm_eps: float, attention: nn.Module,
+                 feed_forward: FeedForward | MoE, norm_cls: type[nn.Module] = nn.RMSNorm):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = norm_cls(dim, eps=norm_eps)
         self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = norm_cls(dim, eps=norm_eps)
         self.moe_enabled = isinstance(feed_forward, MoE)
         if self.moe_enabled:
             self.moe = feed_forward
@@ -90,6 +90,8 @@ class Decoder(nn.Module):
     # Whether forward's input is token ids; a later pipeline stage gets hidden states (and may still hold a copy of
     # the embedding, for an output head tied to it or for multi-token prediction).
     embeds_input = True
+    # The RMSNorm of the blocks and of the output (a family may store its weights otherwise).
+    norm_cls: type[nn.Module] = nn.RMSNorm
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
@@ -100,7 +102,7 @@ class Decoder(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keeps parameter names ("layers.7.…") stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): self._block(i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = self.norm_cls(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rope", self._rope_table(), persistent=False)
@@ -155,4 +157,8 @@ class Decoder(nn.Module):
         self.tie_weights()
         for name, param in self.named_parameters():
             name = canonical_name(name)
-            init_param_(param, name, seed, decoder_fill(name, self.args.dim, self.args.tie_embeddings))
+            init_param_(param, name, seed, self._fill(name))
+
+    def _fill(self, name: str) -> FillFn:
+        """How the parameter ``name`` (canonical) is initialised; a family with other parameters extends this."""
+        return decoder_fill(name, self.args.dim, self.args.tie_embeddings)

@@ -45,6 +45,8 @@ class MoEArgs:
     """Groups each token may pick its experts from (the best ones by the sum of their two best scores)."""
     shared_hidden_dim: int = 0
     """Width of the shared experts' SwiGLU that every token goes through (0: none)."""
+    shared_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a learned projection of the token) (Qwen3-Next)."""
 
     def check(self) -> list[tuple[str, str]]:
         """Problems as (field, reason) pairs."""
@@ -68,6 +70,8 @@ class MoEArgs:
             problems.append(("score_func", f"{self.score_func!r} is not 'softmax' or 'sigmoid'"))
         if self.shared_hidden_dim < 0:
             problems.append(("shared_hidden_dim", f"{self.shared_hidden_dim} must be >= 0"))
+        if self.shared_gate and not self.shared_hidden_dim:
+            problems.append(("shared_gate", "gates the shared experts, but shared_hidden_dim is 0 (none)"))
         return problems
 
     def routed_params(self, dim: int) -> int:
@@ -239,6 +243,7 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.shared_hidden_dim else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate else None
         # Auxiliary-loss-free balancing: added to the scores to choose experts (persistent: it is trained state).
         self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32))
         # Tokens routed to each expert since the trainer last read them (training forwards only).
@@ -316,10 +321,21 @@ class MoE(nn.Module):
             weights = sum_partial_grad(weights)
         out = self._routed(routed_input, weights, indices, counts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            out = out + self._shared(tokens)
         if aux_loss is not None:
             out = _AddAuxLoss.apply(out, aux_loss)
         return out.view(bsz, seqlen, dim)
+
+    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(tokens)
+        if self.shared_gate is None:
+            return shared
+        # Read as a local tensor, like the router's gate. Under tensor parallelism the shared output is a partial
+        # sum, so the gradient reaching the gate is too: summed over the ranks, as for the routing weights.
+        gate = torch.sigmoid(F.linear(tokens, _local(self.shared_gate.weight).to(tokens.dtype)))
+        if (sum_partial_grad := self.parallelism.sum_partial_grad) is not None:
+            gate = sum_partial_grad(gate)
+        return gate.to(shared.dtype) * shared
 
     def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:

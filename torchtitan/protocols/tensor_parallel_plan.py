@@ -23,5 +23,12 @@ class ComputeWhole:
     partial_grad_from: int | None = None
 
 
-BlockPlan = Callable[[nn.Module], dict[str, ParallelStyle | ComputeWhole]]
+@dataclass(frozen=True)
+class SplitByHeads:
+    """A module whose parameters hold per-head values along dim 0 (a depthwise conv over head channels, per-head
+    decay rates) and that the layer calls on this rank's heads only: each rank keeps its heads' slice, and the
+    gradient of that slice is whole on its rank (no communication)."""
+
+
+BlockPlan = Callable[[nn.Module], dict[str, ParallelStyle | ComputeWhole | SplitByHeads]]
 """A block's TP plan: {module name within the block: its style}."""

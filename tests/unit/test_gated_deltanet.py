@@ -1,0 +1,108 @@
+"""Gated DeltaNet: the chunked gated delta rule against a plain step-by-step recurrence (forward and every
+gradient, packed documents) and against transformers' PyTorch function; the short conv; the affine chunk map that
+context parallelism composes."""
+
+import torch
+import torch.nn.functional as F
+
+from torchtitan.models.gated_delta_rule import apply_incoming, chunk_transition, gated_delta_rule
+from torchtitan.models.gated_deltanet import causal_short_conv, document_resets
+
+
+def recurrence(q, k, v, g, beta, resets=None, state=None):
+    """The gated delta rule token by token, as its definition reads (state (B, H, K, V))."""
+    bsz, length, heads, dk = k.shape
+    if state is None:
+        state = q.new_zeros(bsz, heads, dk, v.shape[-1])
+    outputs = []
+    for t in range(length):
+        if resets is not None:
+            state = state * (~resets[:, t]).to(q.dtype)[:, None, None, None]
+        decay = g[:, t].exp()[..., None, None]
+        kt, b = k[:, t], beta[:, t][..., None, None]
+        forget = torch.eye(dk, dtype=q.dtype) - b * kt[..., :, None] * kt[..., None, :]  # I - beta k k^T
+        state = decay * forget @ state + b * kt[..., :, None] * v[:, t][..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outputs, dim=1), state
+
+
+def random_inputs(bsz, length, heads, dk, dv, dtype, generator):
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, generator=generator)
+
+    q = randn(bsz, length, heads, dk)
+    k = F.normalize(randn(bsz, length, heads, dk), dim=-1)
+    v = randn(bsz, length, heads, dv)
+    g = -torch.rand(bsz, length, heads, dtype=dtype, generator=generator) * 2  # decays down to exp(-2)
+    beta = torch.rand(bsz, length, heads, dtype=dtype, generator=generator)
+    return q, k, v, g, beta
+
+
+def fresh_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+def test_chunked_form_equals_the_recurrence_with_documents_forward_and_every_gradient():
+    gen = fresh_generator()
+    q, k, v, g, beta = random_inputs(2, 150, 3, 8, 5, torch.float64, gen)  # 150: three chunks, the last partial
+    state0 = torch.randn(2, 3, 8, 5, dtype=torch.float64, generator=gen)
+    resets = torch.zeros(2, 150, dtype=torch.bool)
+    resets[0, [37, 64, 100, 101]] = True  # one document starting exactly on a chunk boundary, one of one token
+    resets[1, [1, 63, 149]] = True
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, state0)]
+    cotangent = torch.randn(2, 150, 3, 5, dtype=torch.float64, generator=gen)
+    state_cotangent = torch.randn(2, 3, 8, 5, dtype=torch.float64, generator=gen)
+
+    def grads(fn):
+        out, state = fn(*inputs[:5], resets, inputs[5])
+        return out, state, torch.autograd.grad((out * cotangent).sum() + (state * state_cotangent).sum(), inputs)
+
+    ours = grads(lambda *a: gated_delta_rule(*a, chunk_size=32))
+    reference = grads(recurrence)
+    assert (ours[0] - reference[0]).abs().max() <= 1e-10
+    assert (ours[1] - reference[1]).abs().max() <= 1e-10
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), ours[2], reference[2]):
+        assert (a - b).abs().max() <= 1e-10, name
+    # The documents are really apart: without the resets the outputs differ.
+    assert (gated_delta_rule(*inputs[:5])[0] - reference[0]).abs().max() > 1e-3
+
+
+def test_chunked_form_equals_transformers_on_single_document_rows():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    gen = fresh_generator()
+    q, k, v, g, beta = random_inputs(2, 200, 4, 16, 8, torch.float32, gen)
+    theirs, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False)
+    ours, _ = gated_delta_rule(q * 16**-0.5, k, v, g, beta)  # it scales the queries by 1/sqrt(K) itself
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+def test_a_span_is_an_affine_map_of_its_incoming_state():
+    gen = fresh_generator()
+    q, k, v, g, beta = random_inputs(2, 70, 2, 6, 4, torch.float64, gen)
+    incoming = torch.randn(2, 2, 6, 4, dtype=torch.float64, generator=gen)
+    resets = torch.zeros(2, 70, dtype=torch.bool)
+    resets[1, 0] = True  # this row's span starts a document: the incoming state must not reach it
+    resets[0, 50] = True
+    o0, qt, M, N = chunk_transition(q, k, v, g, beta, resets)
+    out, state = gated_delta_rule(q, k, v, g, beta, resets, incoming)
+    assert (apply_incoming(o0, qt, incoming) - out).abs().max() <= 1e-12
+    assert ((M @ incoming + N) - state).abs().max() <= 1e-12
+    assert M[1].abs().max() == 0 and qt[1].abs().max() == 0
+
+
+def test_short_conv_is_the_causal_depthwise_conv_and_stays_within_documents():
+    gen = fresh_generator()
+    x = torch.randn(2, 20, 6, dtype=torch.float64, generator=gen)
+    weight = torch.randn(6, 4, dtype=torch.float64, generator=gen)
+    expected = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=3, groups=6)[..., :20].transpose(1, 2)
+    assert (causal_short_conv(x, weight) - expected).abs().max() <= 1e-12
+    ids = torch.tensor([[0] * 9 + [1] * 11, [0] * 2 + [1] * 18])
+    per_document = causal_short_conv(x, weight, ids)
+    for row, start in ((0, 9), (1, 2)):
+        alone = causal_short_conv(x[row:row + 1, start:], weight)
+        assert torch.equal(per_document[row:row + 1, start:], alone)
+    # A history of the previous tokens continues the sequence exactly.
+    tail = causal_short_conv(x[:, 12:], weight, history=x[:, 9:12])
+    assert (tail - expected[:, 12:]).abs().max() <= 1e-12
+    assert document_resets(ids)[0].nonzero().flatten().tolist() == [9]

@@ -1,0 +1,112 @@
+"""Qwen3-Next in one process: the published size, the Hugging Face mapping both ways against transformers, packed
+documents kept apart, and its configuration rules."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.data import build_tokenizer
+from torchtitan.inference import load_model
+from torchtitan.models.gated_deltanet import GatedDeltaNet
+from torchtitan.models.qwen3_next import Qwen3NextModel, Qwen3NextStateDictAdapter, qwen3_next_flavors
+from torchtitan.models.qwen3_next.model import GatedAttention
+from torchtitan.protocols import count_params
+
+CONFIG = "train_configs/qwen3_next_debug.toml"
+
+
+def test_the_published_size_has_its_layout_and_80b_parameters():
+    args = qwen3_next_flavors["80B-A3B"].finalize(tokenizer_vocab_size=2048, seq_len=4096)
+    assert args.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"] and args.n_full_layers == 12
+    assert (args.rotary_dim, args.rope_theta, args.moe.num_experts, args.moe.top_k) == (64, 1e7, 512, 10)
+    with torch.device("meta"):
+        model = Qwen3NextModel(args)
+    assert abs(count_params(model) - 80e9) / 80e9 < 0.01
+    assert isinstance(model.layers["0"].attention, GatedDeltaNet)
+    assert isinstance(model.layers["3"].attention, GatedAttention)
+    # The linear blocks' FLOPs do not grow with the sequence; the full-attention blocks' do, linearly per token.
+    non_embedding = count_params(model, exclude_embedding=True)
+    growth = args.flops_per_token(non_embedding, 8192) - args.flops_per_token(non_embedding, 4096)
+    assert growth == 12 * 12 * args.n_heads * args.head_dim * 4096
+
+
+def _random_model(seed: int) -> torch.nn.Module:
+    model = load_model(CONFIG, overrides=["--debug.seed", str(seed)])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)  # zero-centred norms start at 0: move them off so a misread shows
+            elif "router.gate" in name:
+                param.normal_(0, 1.0)  # spread the routing so that logits depend on which experts each token picks
+    return model
+
+
+def test_our_export_loads_in_transformers_with_our_logits(tmp_path):
+    model = _random_model(seed=torch.randint(0, 1000, ()).item())
+    adapter = Qwen3NextStateDictAdapter(model.args)
+    write_hf_folder(tmp_path, model.state_dict(), adapter, build_tokenizer("assets/tokenizer"), "assets/tokenizer",
+                    "float32")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    tokens = torch.randint(0, model.args.vocab_size, (2, 100))  # not a multiple of the 64-token chunk
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_a_transformers_saved_checkpoint_imports_with_its_logits(tmp_path):
+    args = qwen3_next_flavors["debugmodel"]
+    config = transformers.Qwen3NextConfig(
+        vocab_size=2048, hidden_size=args.dim, intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    torch.manual_seed(torch.randint(0, 1000, ()).item())
+    hf = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name or "mlp.gate." in name:
+                param.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(CONFIG, str(tmp_path))
+    tokens = torch.randint(0, 2048, (2, 80))
+    with torch.no_grad():
+        assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_a_document_does_not_see_the_one_before_it():
+    model = _random_model(seed=torch.randint(0, 1000, ()).item())
+    ids = torch.tensor([[0] * 40 + [1] * 60 + [2] * 28, [0] * 64 + [1] * 64])
+    tokens = torch.randint(0, model.args.vocab_size, ids.shape)
+    changed = tokens.clone()
+    changed[0, 40:100] = torch.randint(0, model.args.vocab_size, (60,))  # the middle document of row 0
+    changed[1, :64] = torch.randint(0, model.args.vocab_size, (64,))  # the first of row 1, ending on a chunk
+    with torch.no_grad():
+        before, after = model(tokens, document_ids=ids), model(changed, document_ids=ids)
+    assert torch.equal(before[0, 100:], after[0, 100:]) and torch.equal(before[1, 64:], after[1, 64:])
+    assert torch.equal(before[0, :40], after[0, :40])
+    assert not torch.allclose(before[0, 40:100], after[0, 40:100])
+    # Without the documents the later tokens do see the change.
+    with torch.no_grad():
+        assert not torch.allclose(model(tokens)[0, 100:], model(changed)[0, 100:])
+
+
+def test_tensor_parallel_degree_must_split_the_linear_heads():
+    args = qwen3_next_flavors["debugmodel"]
+    assert args.check_tensor_parallel(2) == []
+    assert [name for name, _ in args.check_tensor_parallel(4)] == ["n_kv_heads", "linear_n_key_heads"]
+
+
+@pytest.mark.parametrize("field, value", [("linear_n_value_heads", 3), ("partial_rotary_factor", 0.3),
+                                          ("full_attention_interval", 0)])
+def test_bad_shapes_are_refused_by_name(field, value):
+    import dataclasses
+
+    problems = dataclasses.replace(qwen3_next_flavors["debugmodel"], **{field: value}).check()
+    assert [name for name, _ in problems] == [field]

@@ -1,0 +1,136 @@
+"""Qwen3-Next weights to and from Hugging Face transformers' Qwen3NextForCausalLM naming.
+
+Gated attention and the MoE map by name. A Gated DeltaNet layer's projections are fused differently: the format
+keeps per key head [q, k, values, z] in one in_proj_qkvz and [beta, decay] rows in in_proj_ba, and orders the
+conv's channels [all q | all k | all v], where ours are grouped per key head (so that tensor parallelism cuts whole
+heads); these tensors are regrouped, exactly, both ways.
+"""
+
+import re
+from typing import ClassVar
+
+import torch
+
+from torchtitan.models.decoder_state_dict_adapter import UnexpectedWeightError
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.qwen3_next.args import LINEAR, Qwen3NextModelArgs
+
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED_OURS = ("attention.in_proj_qkv.weight", "attention.in_proj_z.weight", "attention.in_proj_b.weight",
+               "attention.in_proj_a.weight", "attention.conv.weight")
+_FUSED_HF = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight")
+
+
+class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
+    family = "Qwen3-Next"
+    hf_architecture = "Qwen3NextForCausalLM"
+    hf_model_type = "qwen3_next"
+    extra_layer_names: ClassVar[dict[str, str]] = {
+        **Qwen3StateDictAdapter.extra_layer_names,
+        "attention.decay.A_log": "linear_attn.A_log",
+        "attention.decay.dt_bias": "linear_attn.dt_bias",
+        "attention.norm.weight": "linear_attn.norm.weight",
+        "moe.router.gate.weight": "mlp.gate.weight",
+        "moe.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
+        "moe.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+        "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
+        "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
+    }
+    args: Qwen3NextModelArgs
+
+    def _is_linear(self, layer: str) -> bool:
+        return self.args.layer_type(int(layer)) == LINEAR
+
+    def hf_name(self, name: str) -> str:
+        match = _OURS_LAYER.match(name)
+        if match and self._is_linear(match.group(1)):
+            if match.group(2) == "attention.wo.weight":
+                return f"model.layers.{match.group(1)}.linear_attn.out_proj.weight"
+            if match.group(2) in _FUSED_OURS:
+                raise KeyError(f"weight '{name}' is part of a fused {self.hf_architecture} tensor, not one of its own")
+        return super().hf_name(name)
+
+    def our_name(self, name: str) -> str:
+        match = _HF_LAYER.match(name)
+        if match and match.group(2) == "linear_attn.out_proj.weight":
+            return f"layers.{match.group(1)}.attention.wo.weight"
+        return super().our_name(name)
+
+    def _sizes(self) -> tuple[int, int, int, int]:
+        a = self.args
+        return (a.linear_n_key_heads, a.linear_key_head_dim, a.linear_n_value_heads // a.linear_n_key_heads,
+                a.linear_value_head_dim)
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state, fused = dict(state), {}
+        nk, dk, r, dv = self._sizes()
+        for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))}:
+            ours, hf = f"layers.{layer}.attention.", f"model.layers.{layer}.linear_attn."
+            if ours + "in_proj_qkv.weight" not in state:
+                continue
+            qkv, z, b, a, conv = (state.pop(f"layers.{layer}.{name}") for name in _FUSED_OURS)
+            dim = qkv.shape[-1]
+            fused[hf + "in_proj_qkvz.weight"] = torch.cat(
+                [qkv.view(nk, -1, dim), z.view(nk, r * dv, dim)], dim=1).reshape(-1, dim)
+            fused[hf + "in_proj_ba.weight"] = torch.cat([b.view(nk, r, dim), a.view(nk, r, dim)], dim=1).reshape(-1, dim)
+            q, k, v = conv.view(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
+            fused[hf + "conv1d.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)]).unsqueeze(1)
+        return {**super().to_hf(state), **fused}
+
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state, split = dict(state), {}
+        nk, dk, r, dv = self._sizes()
+        for name in [n for n in state if n.endswith(_FUSED_HF)]:
+            match = _HF_LAYER.match(name)
+            if match is None:
+                raise UnexpectedWeightError(name, self.family)
+            ours, tensor = f"layers.{match.group(1)}.attention.", state.pop(name)
+            if name.endswith("in_proj_qkvz.weight"):
+                qkv, z = tensor.view(nk, -1, tensor.shape[-1]).split([2 * dk + r * dv, r * dv], dim=1)
+                split[ours + "in_proj_qkv.weight"] = qkv.reshape(-1, tensor.shape[-1])
+                split[ours + "in_proj_z.weight"] = z.reshape(-1, tensor.shape[-1])
+            elif name.endswith("in_proj_ba.weight"):
+                b, a = tensor.view(nk, 2 * r, tensor.shape[-1]).split([r, r], dim=1)
+                split[ours + "in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
+                split[ours + "in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
+            else:
+                conv = tensor.squeeze(1)
+                q, k, v = conv.split([nk * dk, nk * dk, nk * r * dv])
+                split[ours + "conv.weight"] = torch.cat(
+                    [q.view(nk, dk, -1), k.view(nk, dk, -1), v.view(nk, r * dv, -1)], dim=1).flatten(0, 1)
+        return {**super().from_hf(state), **split}
+
+    def extra_hf_config(self) -> dict:
+        a, moe = self.args, self.args.moe
+        if moe is None:
+            raise ValueError(f"{self.hf_architecture} has MoE blocks; this flavor has none (moe = None)")
+        needed = {"score_func": (moe.score_func, "softmax"), "route_scale": (moe.route_scale, 1.0),
+                  "n_groups": (moe.n_groups, 1), "shared_gate": (moe.shared_gate, True)}
+        for name, (value, want) in needed.items():
+            if value != want:
+                raise ValueError(f"{self.hf_architecture} cannot express moe.{name} = {value!r} (it needs {want!r})")
+        if moe.shared_hidden_dim <= 0:
+            raise ValueError(f"{self.hf_architecture} needs a shared expert (moe.shared_hidden_dim > 0)")
+        return {
+            **super().extra_hf_config(),
+            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
+                                "partial_rotary_factor": a.partial_rotary_factor},
+            "partial_rotary_factor": a.partial_rotary_factor,
+            "layer_types": a.layer_types,
+            "full_attention_interval": a.full_attention_interval,
+            "linear_conv_kernel_dim": a.linear_conv_kernel,
+            "linear_key_head_dim": a.linear_key_head_dim,
+            "linear_value_head_dim": a.linear_value_head_dim,
+            "linear_num_key_heads": a.linear_n_key_heads,
+            "linear_num_value_heads": a.linear_n_value_heads,
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.hidden_dim,
+            "shared_expert_intermediate_size": moe.shared_hidden_dim,
+            "norm_topk_prob": moe.route_norm,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(a.n_dense_layers)),
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+        }
