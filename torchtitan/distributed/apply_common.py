@@ -16,6 +16,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_context_parallel
+from torchtitan.distributed.context_parallel_linear import apply_linear_attention_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp
 from torchtitan.distributed.expert_parallel import apply_moe_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -64,6 +65,7 @@ def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: Parallel
     if parallel_dims.cp_enabled:
         apply_context_parallel(model, parallel_dims.submesh("cp"), training.seq_len,
                                parallelism.context_parallel_rotate_method)
+        apply_linear_attention_cp(model, parallel_dims.submesh("cp"))
     apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
     if job_config.compile.enable and "model" in job_config.compile.components:
         # Context-parallel attention, the MoE's token counting and exchange, and block-causal attention's

@@ -101,6 +101,23 @@ def unshard_sequence(shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat([*heads, *reversed(tails)], dim=dim)
 
 
+def full_document_ids(documents: DocumentMask, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole sequence's document ids (B, S) from every rank's head-tail shard of them, gathered once per
+    forward (cached on ``documents``) for all the layers."""
+    full = documents.cache.get("cp_full_ids")
+    if full is None:
+        ids = documents.ids
+        cp = 1 if group is None else dist.get_world_size(group)
+        if cp == 1:
+            full = ids
+        else:
+            out = ids.new_empty(cp * ids.size(0), ids.size(1))
+            dist.all_gather_into_tensor(out, ids.contiguous(), group=group)
+            full = unshard_sequence(list(out.view(cp, *ids.shape)), dim=1)
+        documents.cache["cp_full_ids"] = full
+    return full
+
+
 def cp_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
     """Global positions (e.g. for RoPE) of the tokens this rank holds, in its local order."""
     chunk, head, tail = _chunk_starts(seq_len, cp_rank, cp)
@@ -254,16 +271,7 @@ class _Ctx:
         self.documents = documents
         if documents is not None:
             self.local_ids = documents.ids
-            self.full_ids = documents.cache.get("cp_full_ids")
-            if self.full_ids is None:
-                self.full_ids = documents.cache["cp_full_ids"] = self._gather_ids(documents.ids)
-
-    def _gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.cp == 1:
-            return ids
-        out = ids.new_empty(self.cp * ids.size(0), ids.size(1))
-        dist.all_gather_into_tensor(out, ids.contiguous(), group=self.group)
-        return unshard_sequence(list(out.view(self.cp, *ids.shape)), dim=1)
+            self.full_ids = full_document_ids(documents, group)
 
     def document_blocks(self, key, rows: slice, key_ids: torch.Tensor):
         """None without documents; else (batch row, query start, end, key start, end) for every document

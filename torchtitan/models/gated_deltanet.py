@@ -18,6 +18,7 @@ that context parallelism replaces with versions that take the history from the o
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -113,18 +114,20 @@ def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state):
     return out.view(bsz, length, *out.shape[2:]), final[last_of_row]
 
 
-def local_recurrence(q, k, v, g, beta, documents: DocumentMask | None, initial_state=None):
-    """The gated delta rule over a whole (unsharded) sequence: fla's Triton kernel on CUDA where installed,
-    else the chunked PyTorch form."""
+def recurrence_kernel(device: torch.device):
+    """The gated delta rule's kernel for ``device`` (gated_delta_rule's signature, resets included): fla's Triton
+    kernel on CUDA where installed, else the chunked PyTorch form. Logs its choice once."""
+    fla = _fla_kernel() if device.type == "cuda" else None
+    name = "torch" if fla is None else "fla"
+    if name not in _logged_kernel:
+        _log_kernel_once(name)
+    return gated_delta_rule if fla is None else partial(_fla_gated_delta_rule, fla)
+
+
+def local_recurrence(q, k, v, g, beta, documents: DocumentMask | None):
+    """The gated delta rule over a whole (unsharded) sequence, from a zero state."""
     resets = None if documents is None else document_resets(documents.ids)
-    fla = _fla_kernel() if q.is_cuda else None
-    if fla is not None:
-        if "fla" not in _logged_kernel:
-            _log_kernel_once("fla")
-        return _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state)
-    if "torch" not in _logged_kernel:
-        _log_kernel_once("torch")
-    return gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+    return recurrence_kernel(q.device)(q, k, v, g, beta, resets)
 
 
 class ShortConv(nn.Module):
@@ -144,8 +147,9 @@ class DecayGate(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        # float32: in bfloat16 exp(A_log) * softplus(.) loses the small decays that keep long memory.
-        return -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias).float())
+        # At least float32: in bfloat16 exp(A_log) * softplus(.) loses the small decays that keep long memory.
+        work = torch.promote_types(a.dtype, torch.float32)
+        return -_local(self.A_log).to(work).exp() * F.softplus(a.to(work) + _local(self.dt_bias).to(work))
 
 
 class GatedDeltaNet(nn.Module):
@@ -179,11 +183,12 @@ class GatedDeltaNet(nn.Module):
         mixed = mixed.view(bsz, seqlen, -1, 2 * dk + self.values_per_key * dv)
         q, k, v = mixed.split([dk, dk, self.values_per_key * dv], dim=-1)
         v = v.reshape(bsz, seqlen, -1, dv)
-        q, k = (t.float() * torch.rsqrt(t.float().pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        work = torch.promote_types(x.dtype, torch.float32)  # the normalisation and the gates in float32 at least
+        q, k = (t.to(work) * torch.rsqrt(t.to(work).pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         q = q * dk**-0.5
         q, k = (t.repeat_interleave(self.values_per_key, dim=2) for t in (q, k))
-        beta = torch.sigmoid(self.in_proj_b(x).float())
-        g = self.decay(self.in_proj_a(x))
+        beta = torch.sigmoid(self.in_proj_b(x).to(work))
+        g = self.decay(self.in_proj_a(x).to(work))
         o, _ = self.recurrence_fn(q, k, v, g, beta, documents)
         z = self.in_proj_z(x).view(bsz, seqlen, -1, dv)
         o = self.norm(o.to(x.dtype)) * F.silu(z)

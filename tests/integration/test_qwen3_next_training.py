@@ -1,0 +1,74 @@
+"""Qwen3-Next debug model in the trainer, on short packed documents (block-causal, several per row, crossing the
+context-parallel cuts): every layout trains the single process's steps, a document's logits ignore the one before
+it (one process and CP 2), and 200 steps learn. The runs (names prefixed "qn_") are part of the suite-wide matrix
+(integration/conftest.py)."""
+
+import math
+
+import pytest
+
+from tests.integration.parity import Matrix, assert_same_steps, rows_of, runs_under
+from tests.integration.test_document_masking_training import CHECKS, block_causal_flags, results
+
+CONFIG = "train_configs/qwen3_next_debug.toml"
+LAYOUTS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
+    "accum2": (1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]),
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
+    "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+    # 8 chunks of 8 tokens: most rows have a document across each cut.
+    "cp4": (4, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "4"]),
+    "independence_single": (1, ["--training.local_batch_size", "8"], f"{CHECKS}:independence"),
+    "independence_cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
+                         f"{CHECKS}:independence"),
+}
+LONG = ["--training.steps", "200", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1"]
+
+
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """This module's runs in the suite-wide matrix (integration/conftest.py)."""
+    common = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--metrics.log_freq", "1",
+              "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600",
+              *block_causal_flags(folder)]
+    return {"qn_": Matrix(LAYOUTS, CONFIG, common), "qn200_": Matrix({"long": (1, [])}, CONFIG, LONG)}
+
+
+@pytest.fixture(scope="module")
+def runs(suite_runs):
+    return runs_under(suite_runs[1], "qn_")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "single" and not n.startswith("independence")])
+def test_layout_matches_the_single_process(runs, layout):
+    reference = rows_of(runs, "single")
+    assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
+    assert_same_steps(rows_of(runs, layout), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "cp2"])
+def test_a_document_ignores_the_one_before_it(suite_runs, runs, layout):
+    rows_of(runs, f"independence_{layout}")
+    ranks = results(suite_runs[1], suite_runs[0], f"qn_independence_{layout}")
+    with_logits = [r for r in ranks if "changed_a" in r]
+    assert with_logits and all("a_embedding_grad" in r for r in ranks)
+    for r in with_logits:
+        assert r["changed_a"] == 0, r  # exactly: every layer keeps the documents apart, the linear ones too
+        assert r["a_logits_moved"] > 1e-3, r
+    for r in ranks:
+        assert r["a_embedding_grad"] == 0 and r["b_embedding_grad"] > 0, r
+
+
+@pytest.mark.slow
+def test_200_steps_learn(suite_runs):
+    rows = rows_of(suite_runs[1], "qn200_long")
+    assert len(rows) == 200 and all(math.isfinite(r["loss"]) for r in rows)
+    drop = rows[0]["loss"] - sum(r["loss"] for r in rows[-20:]) / 20
+    print(f"\nqwen3_next_debug: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} (drop {drop:.3f} nats, mean of "
+          "the last 20 steps)")
+    assert drop >= 1.0
