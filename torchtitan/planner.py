@@ -31,6 +31,8 @@ from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocas
 from torchtitan.hardware import DTYPES
 from torchtitan.models import amx_attention
 from torchtitan.models.decoder_args import DecoderArgs
+from torchtitan.models.gated_delta_rule import CHUNK
+from torchtitan.models.gated_deltanet import GatedDeltaNet
 from torchtitan.models.lora import nf4_weights
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
@@ -74,6 +76,9 @@ class ModelShape:
     embedding_params: int
     output_params: int
     flops_per_token: float  # training FLOPs per token as the trainer reports it (MFU)
+    attention_flops_per_token: float = 0.0  # of which softmax attention's (causal mask not discounted)
+    mixer_flops_per_token: float = 0.0  # of which other token mixing's (a linear attention's recurrence)
+    linear_layers: tuple = ()  # per Gated DeltaNet block: (value heads, key head size, value head size, conv width)
     # Mixture-of-Experts (zero for dense models): blocks with a MoE, experts per block, experts per token,
     # an expert's and the shared experts' SwiGLU widths, and one block's routed-expert parameters.
     moe_layers: int = 0
@@ -167,6 +172,10 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         embedding_params=embedding,
         output_params=0 if args.tie_embeddings else args.vocab_size * args.dim,
         flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
+        attention_flops_per_token=args.attention_flops_per_token(cfg.training.seq_len),
+        mixer_flops_per_token=args.mixer_flops_per_token(),
+        linear_layers=tuple((m.in_proj_b.out_features, m.key_head_dim, m.value_head_dim, m.conv.weight.shape[0])
+                            for b in blocks for m in b.modules() if isinstance(m, GatedDeltaNet)),
         moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
@@ -242,8 +251,23 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
         # The per-head RMSNorms of q and k save, like the block's norms, their input and normalised
         # output (fp32 under autocast) and one 1/rms per head.
         kv_h = h * m.kv_dim / m.q_dim
-        norms += (4 if autocast else c) * 2 * (q + kv) + 4 * (h + kv_h)
-    return norms + linear_inputs + attention + wo_input + ffn
+        attention += (4 if autocast else c) * 2 * (q + kv) + 4 * (h + kv_h)
+    mixer = attention + wo_input
+    if m.linear_layers:
+        linear = sum(linear_mixer_bytes(*shape, c, on_cpu, tp) for shape in m.linear_layers)
+        mixer = (linear + (m.n_layers - len(m.linear_layers)) * mixer) / m.n_layers
+    return norms + linear_inputs + mixer + ffn
+
+
+def linear_mixer_bytes(value_heads: int, dk: int, dv: int, channels: int, c: int, on_cpu: bool, tp: int) -> float:
+    """Bytes a Gated DeltaNet layer saves for backward per token (models/gated_deltanet.py): the conv's input and
+    output, q and k normalised in float32 (repeated to the value heads), v, the gates, the recurrence's own, and
+    the gated norm's input, gate and output. The chunked PyTorch form (CPU) keeps per head and token about six
+    chunk-wide rows (its decays, scores and triangular solve) and three (K + V) rows; fla's kernel (CUDA) keeps its
+    output and a state per chunk."""
+    h, channels = value_heads / tp, channels / tp
+    recurrence = 4 * h * (6 * CHUNK + 3 * (dk + dv)) if on_cpu else 4 * h * (dv + dk * dv / CHUNK)
+    return 2 * c * channels + 4 * h * (2 * dk + 2) + c * h * dv + recurrence + 4 * c * h * dv
 
 
 @dataclass
@@ -433,8 +457,9 @@ def step_flops_per_device(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -
     """
     t = cfg.training
     tokens = layout.global_batch_size(t) * t.seq_len / layout.world_size
-    attention = 12 * m.n_layers * m.q_dim * t.seq_len / 2
-    weights = m.flops_per_token - 12 * m.n_layers * m.q_dim * t.seq_len  # 6 x non-embedding params
+    # A linear attention's recurrence counts with the attention: kernels, not the weights' matmuls.
+    attention = m.attention_flops_per_token / 2 + m.mixer_flops_per_token
+    weights = m.flops_per_token - m.attention_flops_per_token - m.mixer_flops_per_token  # 6 x non-embedding params
     block_weights = weights - 6 * m.output_params
     weights += 6 * m.vocab * m.dim * m.mtp_blocks  # each multi-token prediction depth's output-head pass
     # A recomputed block repeats its forward: a third of its forward + backward FLOPs.

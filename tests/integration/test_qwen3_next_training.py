@@ -3,9 +3,11 @@ context-parallel cuts): every layout trains the single process's steps, a docume
 it (one process and CP 2), and 200 steps learn. The runs (names prefixed "qn_") are part of the suite-wide matrix
 (integration/conftest.py)."""
 
+import json
 import math
 
 import pytest
+import torch
 
 from tests.integration.parity import Matrix, assert_same_steps, rows_of, runs_under
 from tests.integration.test_document_masking_training import CHECKS, block_causal_flags, results
@@ -15,6 +17,7 @@ LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
     "accum2": (1, ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]),
+    "ac_full": (1, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
     "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
     "ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"]),
@@ -22,6 +25,8 @@ LAYOUTS = {
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
     # 8 chunks of 8 tokens: most rows have a document across each cut.
     "cp4": (4, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "4"]),
+    "tp2_cp2": (4, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2"]),
     "independence_single": (1, ["--training.local_batch_size", "8"], f"{CHECKS}:independence"),
     "independence_cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
                          f"{CHECKS}:independence"),
@@ -72,3 +77,29 @@ def test_200_steps_learn(suite_runs):
     print(f"\nqwen3_next_debug: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} (drop {drop:.3f} nats, mean of "
           "the last 20 steps)")
     assert drop >= 1.0
+
+
+def test_float8_converts_the_projections_and_trains(tmp_path):
+    """float8 (emulated on CPU) on the attention's and the linear layers' projections; the decay and write-strength
+    inputs of the linear layers and the router stay in high precision; 2 steps train."""
+    from torchtitan.config import load_config
+    from torchtitan.config_check import validate_config
+    from torchtitan.train import Trainer
+
+    cfg, sources = load_config(["--job.config_file", CONFIG, f"--job.dump_folder={tmp_path}", "--training.steps", "2",
+                                "--training.seq_len", "64", "--model.converters", "float8",
+                                "--quantize.linear.float8.emulate"])
+    validate_config(cfg, sources, world_size=1)
+    trainer = Trainer(cfg)
+    model = trainer.model_parts[0]
+    kinds = {name: type(m).__name__ for name, m in model.named_modules()}
+    for name in ("layers.0.attention.in_proj_qkv", "layers.0.attention.in_proj_z", "layers.0.attention.wo",
+                 "layers.3.attention.wq", "layers.3.attention.wo"):
+        assert kinds[name] == "Float8Linear", name
+    for name in ("layers.0.attention.in_proj_a", "layers.0.attention.in_proj_b", "layers.0.moe.router.gate"):
+        assert kinds[name] == "Linear", name
+    before = model.layers["0"].attention.in_proj_qkv.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, model.layers["0"].attention.in_proj_qkv.weight)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

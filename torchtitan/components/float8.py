@@ -54,8 +54,10 @@ class Float8Converter:
         # float8 matmuls need both dimensions divisible by 16.
         if module.in_features % 16 or module.out_features % 16:
             return False
-        if fqn.endswith("router.gate"):
-            return False  # a MoE router's scores choose the experts: kept in high precision, as the field does
+        if fqn.endswith(("router.gate", "in_proj_a", "in_proj_b")):
+            # A MoE router's scores choose the experts, a linear attention's decay and write-strength inputs set
+            # how long it remembers: kept in high precision, as the field does.
+            return False
         return not any(fqn == f or fqn.startswith(f + ".") or fqn.endswith("." + f) for f in self.cfg.filter_fqns)
 
     def convert(self, model: nn.Module) -> None:

@@ -101,11 +101,25 @@ class DecoderArgs(BaseModelArgs):
         idle = self.moe.routed_params(self.dim) * (self.moe.num_experts - self.moe.top_k) // self.moe.num_experts
         return num_params_without_embedding - self.n_moe_layers * idle
 
+    @property
+    def n_attention_layers(self) -> int:
+        """Blocks that mix tokens with softmax attention (a hybrid family mixes the others another way)."""
+        return self.n_layers
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """The softmax attention's scores and weighted values, forward + backward, causal mask not discounted:
+        12 * layers * heads * head_dim * seq_len."""
+        return 12 * self.n_attention_layers * self.n_heads * self.head_dim * seq_len
+
+    def mixer_flops_per_token(self) -> float:
+        """Training FLOPs per token of token mixing that is neither weights nor softmax attention (a linear
+        attention's recurrence); 0 for a transformer."""
+        return 0.0
+
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        # 6 FLOPs per active weight per token for the matmuls, plus 12 * L * H * head_dim * seq_len for the
-        # attention scores and weighted values (forward + backward, causal mask not discounted).
+        # 6 FLOPs per active weight per token for the matmuls, plus the attention's and any other mixer's own.
         # A tied output projection is still a matmul per token, but count_params drops it with the
         # embedding table it shares, so it is added back here.
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         tied_output = self.vocab_size * self.dim if self.tie_embeddings and self.vocab_size else 0
-        return 6.0 * (self.active_params(num_params_without_embedding) + tied_output) + attention
+        return (6.0 * (self.active_params(num_params_without_embedding) + tied_output)
+                + self.attention_flops_per_token(seq_len) + self.mixer_flops_per_token())

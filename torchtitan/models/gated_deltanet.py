@@ -102,7 +102,7 @@ def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state):
     starts[:, 0] = True
     flat = starts.flatten().nonzero().flatten()
     rows, first_of_row = flat // length, flat % length == 0
-    cu_seqlens = torch.cat([flat, flat.new_tensor([bsz * length])]).to(torch.int32)
+    cu_seqlens = torch.cat([flat, flat.new_tensor([bsz * length])])
     state0 = None
     if initial_state is not None:
         carried = first_of_row if resets is None else first_of_row & ~resets[rows, 0]

@@ -133,14 +133,15 @@ class DeepseekV3ModelArgs(DecoderArgs):
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers + self.mtp_depth))
 
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        # Scores use the query/key head size and the weighted sum the value head size: 6 * blocks * H * (qk + v)
+        # * seq for forward and backward, multi-token prediction blocks included.
+        return 6 * (self.n_layers + self.mtp_depth) * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+
     def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        # The matmuls: 6 per active weight. Attention scores use the query/key head size and the weighted sum
-        # the value head size: 6 * blocks * H * (qk + v) * seq for forward and backward. Each multi-token
-        # prediction block also runs the shared output head again (its weight is counted once).
-        blocks = self.n_layers + self.mtp_depth
-        attention = 6 * blocks * self.n_heads * (self.head_dim + self.v_head_dim) * seq_len
+        # Each multi-token prediction block also runs the shared output head again (its weight is counted once).
         mtp_heads = 6 * self.mtp_depth * (self.vocab_size or 0) * self.dim
-        return 6.0 * self.active_params(num_params_without_embedding) + attention + mtp_heads
+        return super().flops_per_token(num_params_without_embedding, seq_len) + mtp_heads
 
 
 DEEPSEEK_V3_VOCAB = 129280

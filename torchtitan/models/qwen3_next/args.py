@@ -88,18 +88,18 @@ class Qwen3NextModelArgs(Qwen3ModelArgs):
             (name, f"{getattr(self, name)} is not divisible by the tensor-parallel degree {tp}")
             for name in ("linear_n_key_heads", "linear_n_value_heads") if getattr(self, name) % tp]
 
-    def flops_per_token(self, num_params_without_embedding: int, seq_len: int) -> float:
-        """6 per active weight, attention scores and values only in the full-attention blocks (12 * heads *
-        head_dim * seq_len each, as for the other families), and for a linear block its recurrence per value
-        head: forward S^T k, the rank-one write and S^T q (6 K V) times 3 for forward and backward, no term in
-        seq_len; the conv adds 6 * kernel per channel."""
-        attention = 12 * self.n_full_layers * self.n_heads * self.head_dim * seq_len
+    @property
+    def n_attention_layers(self) -> int:
+        return self.n_full_layers
+
+    def mixer_flops_per_token(self) -> float:
+        """Per linear block, its recurrence per value head: forward S^T k, the rank-one write and S^T q (6 K V),
+        times 3 for forward and backward (nothing grows with the sequence), and the conv's 6 * kernel per
+        channel."""
         k, v = self.linear_key_head_dim, self.linear_value_head_dim
         channels = self.linear_n_key_heads * 2 * k + self.linear_n_value_heads * v
-        linear = (self.n_layers - self.n_full_layers) * (18 * self.linear_n_value_heads * k * v
-                                                          + 6 * self.linear_conv_kernel * channels)
-        tied_output = self.vocab_size * self.dim if self.tie_embeddings and self.vocab_size else 0
-        return 6.0 * (self.active_params(num_params_without_embedding) + tied_output) + attention + linear
+        per_block = 18 * self.linear_n_value_heads * k * v + 6 * self.linear_conv_kernel * channels
+        return (self.n_layers - self.n_full_layers) * per_block
 
 
 qwen3_next_flavors: dict[str, Qwen3NextModelArgs] = {
