@@ -79,13 +79,24 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     state = (initial_state.to(work) if initial_state is not None
              else torch.zeros(bsz, heads, dk, dv, dtype=work, device=q.device))
+    out, state = _across_chunks(U0, W, q_in, scores, k_out, decay_all, state)
+    return out.flatten(2, 3)[:, :, :length].transpose(1, 2).to(dtype), state
+
+
+@torch.compiler.disable
+def _across_chunks(U0, W, q_in, scores, k_out, decay_all, state):
+    """The only sequential part: S_0 -> (U, outputs, next S_0), chunk after chunk. Left out of compiled graphs,
+    which would otherwise unroll one copy per chunk (compile time growing with the sequence length) for little
+    gain: its matmuls are the work."""
     outputs = []
-    for c in range(n):
-        u = U0[:, :, c] - W[:, :, c] @ state
-        outputs.append(q_in[:, :, c] @ state + scores[:, :, c] @ u)
-        state = decay_all[:, :, c, None, None] * state + k_out[:, :, c].transpose(-1, -2) @ u
-    out = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :length].transpose(1, 2)
-    return out.to(dtype), state
+    # Unbound once: indexing chunk c of a tensor in the loop would make each backward step allocate (and add) a
+    # gradient of the whole tensor, quadratic in the sequence length.
+    per_chunk = zip(*(t.unbind(2) for t in (U0, W, q_in, scores, k_out, decay_all)))
+    for u0, w, qc, sc, kc, decay in per_chunk:
+        u = u0 - w @ state
+        outputs.append(qc @ state + sc @ u)
+        state = decay[..., None, None] * state + kc.transpose(-1, -2) @ u
+    return torch.stack(outputs, dim=2), state
 
 
 def _segment_cumsum(g: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:

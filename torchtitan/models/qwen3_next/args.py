@@ -11,6 +11,7 @@ vocabulary 151,936); rope theta 1e7, 262,144 positions, dense width 5120 and a 2
 released Qwen/Qwen3-Next-80B-A3B config.json.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from torchtitan.models.moe import MoEArgs
@@ -112,3 +113,7 @@ qwen3_next_flavors: dict[str, Qwen3NextModelArgs] = {
     ),
     "80B-A3B": Qwen3NextModelArgs(vocab_size=QWEN3_VOCAB, max_seq_len=262_144),
 }
+# The debug model with gated attention in every block (same widths and depth): the full-attention baseline of
+# benchmarks/hybrid_seq_scaling.py.
+qwen3_next_flavors["debugmodel_attention_only"] = dataclasses.replace(qwen3_next_flavors["debugmodel"],
+                                                                      full_attention_interval=1)
