@@ -1,6 +1,7 @@
 """Qwen3-Next in one process: the published size, the Hugging Face mapping both ways against transformers, packed
 documents kept apart, and its configuration rules."""
 
+import dataclasses
 import json
 
 import pytest
@@ -106,7 +107,29 @@ def test_tensor_parallel_degree_must_split_the_linear_heads():
 @pytest.mark.parametrize("field, value", [("linear_n_value_heads", 3), ("partial_rotary_factor", 0.3),
                                           ("full_attention_interval", 0)])
 def test_bad_shapes_are_refused_by_name(field, value):
-    import dataclasses
-
     problems = dataclasses.replace(qwen3_next_flavors["debugmodel"], **{field: value}).check()
     assert [name for name, _ in problems] == [field]
+
+
+def test_the_planner_sees_the_linear_blocks():
+    from torchtitan import planner
+    from torchtitan.config import load_config
+
+    def shape(seq_len: int):
+        cfg, _ = load_config(["--job.config_file", "train_configs/qwen3_next_80b_a3b.toml", "--training.seq_len",
+                              str(seq_len), "--training.mixed_precision_param", "bfloat16"])
+        return cfg, planner.model_shape(cfg, vocab_size=151936)
+
+    cfg, m = shape(4096)
+    # 12 gated-attention blocks of 16 heads x 256; 36 linear blocks of 32 value heads (128 x 128 state each) and a
+    # conv over 16 key heads' q, k (128 each) and their 2 x 128 values.
+    assert m.attention_flops_per_token == 12 * 12 * 16 * 256 * 4096
+    assert m.linear_layers == ((32, 128, 128, 16 * (2 * 128 + 2 * 128)),) * 36
+    assert m.mixer_flops_per_token == 36 * (18 * 32 * 128 * 128 + 6 * 4 * 16 * 512)
+    _, longer = shape(8192)
+    assert longer.mixer_flops_per_token == m.mixer_flops_per_token  # the linear blocks' do not grow with the length
+    assert longer.attention_flops_per_token == 2 * m.attention_flops_per_token
+    # Activations are counted per kind of block: the linear ones' own, not an attention block's.
+    hybrid = planner.layer_activation_bytes(m, cfg, on_cpu=False, tp=1)
+    assert hybrid != planner.layer_activation_bytes(dataclasses.replace(m, linear_layers=()), cfg, on_cpu=False,
+                                                    tp=1)
