@@ -103,3 +103,16 @@ def test_float8_converts_the_projections_and_trains(tmp_path):
     assert not torch.equal(before, model.layers["0"].attention.in_proj_qkv.weight)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_the_matrix_data_has_documents_across_every_cp4_cut(tmp_path):
+    """The layouts' rows (seq 64, CP 4: 8 chunks of 8) hold several documents, and each cut has one across it."""
+    from tests.integration.test_document_masking_training import short_documents
+    from torchtitan.data import build_dataloader, build_tokenizer
+
+    loader = build_dataloader(build_tokenizer("assets/tokenizer"), dataset="", dataset_path=str(short_documents(
+        tmp_path)), seq_len=64, local_batch_size=8, dp_rank=0, dp_world_size=1)
+    ids = next(iter(loader)).document_ids
+    assert (ids[:, -1] >= 2).all()
+    for cut in range(8, 64, 8):
+        assert (ids[:, cut - 1] == ids[:, cut]).any(), cut
