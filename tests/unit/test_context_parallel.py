@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from torchtitan.distributed import context_parallel as cpa
+from torchtitan.models import attention_kernels
 from torchtitan.distributed.context_parallel import (
     check_cp_seq_len,
     context_parallel_attention,
@@ -94,11 +95,11 @@ def test_cpu_kernel_block_matches_math_block(lq, lk, causal):
     g = torch.Generator().manual_seed(lq * 10 + lk)
     q, dout = torch.randn(2, 3, lq, 8, generator=g), torch.randn(2, 3, lq, 8, generator=g)
     k, v = torch.randn(2, 3, lk, 8, generator=g), torch.randn(2, 3, lk, 8, generator=g)
-    out_m, lse_m = cpa._math_forward(q, k, v, causal, 0.3)
-    out_k, lse_k = cpa._cpu_flash_forward(q, k, v, causal, 0.3)
+    out_m, lse_m = attention_kernels._math_forward(q, k, v, causal, 0.3)
+    out_k, lse_k = attention_kernels._cpu_flash_forward(q, k, v, causal, 0.3)
     assert (out_m - out_k).abs().max() < TOL and (lse_m - lse_k).abs().max() < TOL
-    for gm, gk in zip(cpa._math_backward(dout, q, k, v, out_m, lse_m, causal, 0.3),
-                      cpa._cpu_flash_backward(dout, q, k, v, out_k, lse_k, causal, 0.3)):
+    for gm, gk in zip(attention_kernels._math_backward(dout, q, k, v, out_m, lse_m, causal, 0.3),
+                      attention_kernels._cpu_flash_backward(dout, q, k, v, out_k, lse_k, causal, 0.3)):
         assert (gm - gk).abs().max() < TOL
 
 
@@ -130,25 +131,25 @@ def test_cpu_bfloat16_is_computed_in_float32_and_returned_in_bfloat16():
 def test_cuda_kernel_wrappers_on_meta_tensors():
     # No GPU here: run the CUDA wrappers' argument plumbing and shapes through PyTorch's meta kernels.
     for name, dtype in (("cuda_flash", torch.bfloat16), ("cuda_efficient", torch.float32)):
-        fwd, bwd = cpa.KERNELS[name]
+        fwd, bwd = attention_kernels.KERNELS[name]
         q = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype)
         k = torch.empty(2, 4, 24, 16, device="meta", dtype=dtype)
         out, lse = fwd(q, k, k, False, 0.25)
         assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
         grads = bwd(q, q, k, k, out, lse, False, 0.25)
         assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(k.shape)]
-    assert cpa._pick_kernel(torch.device("cuda"), torch.bfloat16, 128, True) == "cuda_flash"
-    assert cpa._pick_kernel(torch.device("cuda"), torch.float32, 128, True) == "cuda_efficient"
-    assert cpa._pick_kernel(torch.device("cpu"), torch.float32, 128, True) == "cpu_flash"
-    assert cpa._pick_kernel(torch.device("cpu"), torch.float32, 128, False) == "math"
+    assert attention_kernels._pick_kernel(torch.device("cuda"), torch.bfloat16, 128, True) == "cuda_flash"
+    assert attention_kernels._pick_kernel(torch.device("cuda"), torch.float32, 128, True) == "cuda_efficient"
+    assert attention_kernels._pick_kernel(torch.device("cpu"), torch.float32, 128, True) == "cpu_flash"
+    assert attention_kernels._pick_kernel(torch.device("cpu"), torch.float32, 128, False) == "math"
 
 
 def test_kernel_failure_falls_back_to_math(monkeypatch):
     def broken(*args):
         raise RuntimeError("no kernel for this input")
 
-    monkeypatch.setitem(cpa.KERNELS, "cpu_flash", (broken, broken))
-    monkeypatch.setattr(cpa, "_failed_kernels", set())
+    monkeypatch.setitem(attention_kernels.KERNELS, "cpu_flash", (broken, broken))
+    monkeypatch.setattr(attention_kernels, "_failed_kernels", set())
     q, k, v = (torch.randn(1, 2, 6, 8).requires_grad_() for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -229,7 +230,7 @@ def _worker(rank, world, port, result_file):
                         err = ((g_ - want).abs() / (1 + want.abs())).max().item()
                         key = f"documents/{method}/{'kernel' if use_kernel else 'math'}/{name}"
                         worst[key] = max(worst.get(key, 0.0), err)
-    assert not cpa._failed_kernels  # the kernel cases really ran the kernel
+    assert not attention_kernels._failed_kernels  # the kernel cases really ran the kernel
     with open(f"{result_file}.{rank}", "w") as f:
         json.dump({"worst": worst, "cases": case}, f)
     dist.destroy_process_group()

@@ -22,7 +22,6 @@ independently and summed (the standard flash/ring attention backward).
 """
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -31,10 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
 from torchtitan.models.attention import DocumentMask, document_spans, with_value_head_size
+from torchtitan.models.attention_kernels import _compute_dtype, _pick_kernel, _run_block
 
 METHODS = ("allgather", "ring")
-
-aten = torch.ops.aten
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -123,128 +121,6 @@ def cp_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tens
     chunk, head, tail = _chunk_starts(seq_len, cp_rank, cp)
     return torch.cat([torch.arange(head, head + chunk, device=device),
                       torch.arange(tail, tail + chunk, device=device)])
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One block of attention: (out, lse) forward and a backward against the merged (out, lse)
-# ----------------------------------------------------------------------------------------------------------
-# q is (B, H, Lq, D), k/v (B, H, Lk, D) already expanded to H heads and in the compute dtype. A "causal"
-# block is square and lies on the diagonal; every other block is computed without a mask. Forward returns
-# out in the compute dtype and lse (B, H, Lq) in float32. The CPU kernel and math blocks are tested against each
-# other; the CUDA wrappers are only checked on meta tensors here, so a CUDA kernel that rejects its inputs at
-# run time falls back to the math block (exact, slower) with a warning rather than failing.
-
-
-def _math_forward(q, k, v, causal, scale):
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_upper_mask(scores), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
-    return out.to(q.dtype), lse
-
-
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
-    qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_upper_mask(scores), float("-inf"))
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    delta = (doutf * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (torch.matmul(doutf, vf.transpose(-1, -2)) - delta)
-    dq = torch.matmul(dscores, kf) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), qf) * scale
-    dv = torch.matmul(probs.transpose(-1, -2), doutf)
-    return dq, dk, dv
-
-
-def _upper_mask(scores):
-    n = scores.size(-1)
-    return torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
-
-
-def _cpu_flash_forward(q, k, v, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, scale=scale)
-
-
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
-        dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
-
-
-def _cuda_flash_forward(q, k, v, causal, scale):
-    out, lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)
-    return out, lse
-
-
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    # No dropout, so the RNG state is never read; the cumulative lengths are unset as for dense inputs.
-    rng = torch.empty(0, dtype=torch.long, device=q.device)
-    return aten._scaled_dot_product_flash_attention_backward.default(
-        dout, q, k, v, out, lse.contiguous(), None, None, q.size(2), k.size(2), 0.0, causal, rng, rng, scale=scale)
-
-
-def _efficient_lse_len(lq: int) -> int:
-    # The memory-efficient kernel pads its LSE rows to a multiple of 32 (not on ROCm).
-    return lq if torch.version.hip else -(-lq // 32) * 32
-
-
-def _cuda_efficient_forward(q, k, v, causal, scale):
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.size(2)]
-
-
-def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    padded = lse.new_zeros(*lse.shape[:-1], _efficient_lse_len(q.size(2)))
-    padded[..., : q.size(2)] = lse
-    seed = torch.zeros((), dtype=torch.long, device=q.device)
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
-        dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
-    return dq, dk, dv
-
-
-KERNELS = {
-    "math": (_math_forward, _math_backward),
-    "cpu_flash": (_cpu_flash_forward, _cpu_flash_backward),
-    "cuda_flash": (_cuda_flash_forward, _cuda_flash_backward),
-    "cuda_efficient": (_cuda_efficient_forward, _cuda_efficient_backward),
-}
-_failed_kernels: set[tuple[str, torch.dtype]] = set()
-
-
-def _pick_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, use_kernel: bool) -> str:
-    if not use_kernel:
-        return "math"
-    if device.type == "cpu":
-        name = "cpu_flash"
-    elif device.type == "cuda":
-        flash_ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0
-        name = "cuda_flash" if flash_ok else "cuda_efficient"
-    else:
-        name = "math"
-    return "math" if (name, dtype) in _failed_kernels else name
-
-
-def _run_block(kernel: str, backward: bool, *args):
-    """Run a block with ``kernel``; if the kernel rejects these inputs, fall back to the (exact) math path."""
-    if kernel != "math":
-        try:
-            return list(KERNELS[kernel][backward](*args))
-        except (RuntimeError, NotImplementedError) as err:
-            if isinstance(err, torch.OutOfMemoryError):
-                raise
-            dtype = args[0].dtype
-            _failed_kernels.add((kernel, dtype))
-            warnings.warn(f"context parallel: kernel {kernel} failed for {dtype} ({err}); using the math path",
-                          stacklevel=2)
-    return list(KERNELS["math"][backward](*args))
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    # On CPU the flash kernel's backward is faster in float32 than in bfloat16 (see models/attention.py).
-    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return t.dtype
 
 
 # ----------------------------------------------------------------------------------------------------------

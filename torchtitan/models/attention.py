@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.models import amx_attention
+from torchtitan.models import attention_kernels
 
 _aten = torch.ops.aten
 
@@ -171,9 +172,105 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's attention: causal, or block-causal when the batch's documents are given. ``scale``
-    multiplies q.k (None: 1/sqrt(head size)); v's head size may be smaller than q's (MLA)."""
+    multiplies q.k (None: 1/sqrt(head size)); v's head size may be smaller than q's (MLA). ``window``: each query
+    sees only the last ``window`` keys (itself included); ``sinks`` (heads,): a learned logit per head that joins
+    every query's softmax as a key without a value (see windowed_attention)."""
+    if window is not None or sinks is not None:
+        return windowed_attention(q, k, v, documents, scale, window, sinks)
     if documents is None:
         return causal_attention(q, k, v, scale)
     return block_causal_attention(q, k, v, documents, scale)
+
+
+# Query rows per block of sliding-window attention (at least the window).
+WINDOW_BLOCK = 64
+
+
+@torch.compiler.disable
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None,
+                       scale: float | None, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal (block-causal with ``documents``) attention with a sliding ``window`` and/or attention ``sinks``.
+
+    Run as blocks that each hold every key their query rows may see: per document, one causal square without a
+    window, else query blocks of max(window, 64) rows against the keys from ``window`` - 1 before them (masked to
+    the window), so the work grows linearly with the sequence and keys outside every window are never read. A
+    sink s joins the softmax as one more logit with no value: with the output o and log-sum-exp L over the real
+    keys, the result is o * sigmoid(L - s), exact. The backward is the kernels' own, given that final output and
+    log-sum-exp logaddexp(L, s) (the flash-attention backward is exact for any normaliser it is given), and the
+    sink's gradient is -sum over queries of exp(s - L') * (dO . O).
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} must be >= 1 (tokens each query sees, itself included)")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
+    spans = [[(0, q.shape[2])]] if documents is None else documents.spans()
+    return _BlockedAttention.apply(q, k, v, sinks, _window_blocks(spans, window, q.device), scale)
+
+
+def _window_blocks(spans: list[list[tuple[int, int]]], window: int | None, device: torch.device) -> list[tuple]:
+    """(batch rows, query start, end, key start, end, mask) blocks: ``mask`` True (a causal square) or a bool
+    (queries, keys) tensor of what each query sees. ``spans``: one list for all rows, or one per row."""
+    blocks = []
+    for row, row_spans in enumerate(spans):
+        rows = slice(None) if len(spans) == 1 else slice(row, row + 1)
+        for start, end in row_spans:
+            if window is None or window >= end - start:
+                blocks.append((rows, start, end, start, end, True))
+                continue
+            size = max(window, WINDOW_BLOCK)
+            for a in range(start, end, size):
+                b = min(a + size, end)
+                first_key = max(start, a - window + 1)
+                back = torch.arange(a, b, device=device)[:, None] - torch.arange(first_key, b, device=device)
+                blocks.append((rows, a, b, first_key, b, (back >= 0) & (back < window)))
+    return blocks
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, blocks, scale):
+        dtype = attention_kernels._compute_dtype(q)
+        kernel = attention_kernels._pick_kernel(q.device, dtype, q.shape[-1], True)
+        qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+        work = torch.promote_types(dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=work, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
+        for rows, qs, qe, ks, ke, mask in blocks:
+            o, l = attention_kernels._run_block(kernel, False, qc[rows, :, qs:qe].contiguous(),
+                                                kc[rows, :, ks:ke].contiguous(), vc[rows, :, ks:ke].contiguous(),
+                                                mask, scale)
+            out[rows, :, qs:qe] = o.to(work)
+            lse[rows, :, qs:qe] = l.to(work)
+        if sinks is not None:
+            with_sink = torch.logaddexp(lse, sinks.detach().to(work).view(1, -1, 1))
+            out = out * torch.exp(lse - with_sink).unsqueeze(-1)
+            lse = with_sink
+        out = out.to(dtype)
+        ctx.save_for_backward(qc, kc, vc, out, lse, sinks)
+        ctx.blocks, ctx.scale, ctx.kernel, ctx.dtypes = blocks, scale, kernel, (q.dtype, k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qc, kc, vc, out, lse, sinks = ctx.saved_tensors
+        work = lse.dtype
+        doutc = dout.to(qc.dtype)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=work, device=t.device) for t in (qc, kc, vc))
+        for rows, qs, qe, ks, ke, mask in ctx.blocks:
+            grads = attention_kernels._run_block(
+                ctx.kernel, True, doutc[rows, :, qs:qe].contiguous(), qc[rows, :, qs:qe].contiguous(),
+                kc[rows, :, ks:ke].contiguous(), vc[rows, :, ks:ke].contiguous(), out[rows, :, qs:qe].contiguous(),
+                lse[rows, :, qs:qe].contiguous(), mask, ctx.scale)
+            dq[rows, :, qs:qe] += grads[0].to(work)
+            dk[rows, :, ks:ke] += grads[1].to(work)
+            dv[rows, :, ks:ke] += grads[2].to(work)
+        dsinks = None
+        if sinks is not None:
+            weight = torch.exp(sinks.detach().to(work).view(1, -1, 1) - lse)  # the sink's probability
+            delta = (dout.to(work) * out.to(work)).sum(-1)
+            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), dsinks, None, None
