@@ -82,3 +82,70 @@ def test_a_bad_window_is_refused():
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="window 0 must be >= 1"):
         attend(q, q, q, window=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Context parallelism: every rank's rows and gradients against the explicit softmax on the whole sequence
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _cp_worker(rank, world, port, result_file, seed):
+    import json
+
+    import torch.distributed as dist
+
+    from torchtitan.distributed.context_parallel import METHODS, context_parallel_attention, shard_sequence
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    worst, cases = {}, 0
+    for dtype, use_kernel in ((torch.float64, False), (torch.float32, True)):
+        for method in METHODS:
+            for window in (1, 3, 7, None):
+                for documents in (False, True):
+                    cases += 1
+                    gen = torch.Generator().manual_seed(seed + cases)  # every rank draws the same full tensors
+                    (q, k, v, sinks), ids = _case(dtype, gen, length=12 * world, documents=documents)
+                    expected = reference(q, k, v, sinks, window, ids)
+                    cotangent = torch.randn(q.shape, dtype=dtype, generator=gen)
+                    want = torch.autograd.grad((expected * cotangent).sum(), [q, k, v, sinks])
+                    local = [shard_sequence(t.detach(), 2, rank, world).requires_grad_() for t in (q, k, v)]
+                    local_sinks = sinks.detach().clone().requires_grad_()
+                    mask = None if ids is None else DocumentMask(shard_sequence(ids, 1, rank, world), flex=False)
+                    out = context_parallel_attention(*local, dist.group.WORLD, method, use_kernel=use_kernel,
+                                                     documents=mask, window=window, sinks=local_sinks)
+                    (out * shard_sequence(cotangent, 2, rank, world)).sum().backward()
+                    dsinks = local_sinks.grad.clone()
+                    dist.all_reduce(dsinks)  # each rank holds its rows' share of the sinks' gradient
+                    got = [out, *(t.grad for t in local), dsinks]
+                    wanted = [shard_sequence(expected, 2, rank, world),
+                              *(shard_sequence(g, 2, rank, world) for g in want[:3]), want[3]]
+                    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, wanted):
+                        key = f"{dtype}/{method}/{name}"
+                        err = ((a - b).abs() / (1 + b.abs())).max().item()
+                        worst[key] = max(worst.get(key, 0.0), err)
+    with open(f"{result_file}.{rank}", "w") as f:
+        json.dump({"worst": worst, "cases": cases}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_sinks_and_windows_equal_the_explicit_softmax(tmp_path, world):
+    """allgather and ring, windows of 1, 3 and 7 tokens (crossing every cut) and none, with and without documents,
+    sinks on: fp64 through the math blocks (<= 1e-10) and fp32 through the CPU kernel (<= 1e-5), relative to 1 +
+    |value|."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.unit.test_context_parallel import _free_port
+
+    seed = torch.seed() % 2**31
+    mp.start_processes(_cp_worker, args=(world, _free_port(), str(tmp_path / "worst"), seed), nprocs=world,
+                       start_method="spawn")
+    for rank in range(world):
+        report = json.loads((tmp_path / f"worst.{rank}").read_text())
+        assert report["cases"] == 32 and len(report["worst"]) == 20
+        for key, err in report["worst"].items():
+            assert err < (1e-10 if "float64" in key else 1e-5), (rank, key, err, seed)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
+from torchtitan.log import logger
 from torchtitan.models.attention import DocumentMask, document_spans, with_value_head_size
 from torchtitan.models.attention_kernels import _compute_dtype, _pick_kernel, _run_block
 
@@ -131,7 +132,8 @@ def cp_positions(seq_len: int, cp_rank: int, cp: int, device=None) -> torch.Tens
 class _Ctx:
     """What both methods share: the group, shapes, kernel choice, and the per-block forward/backward."""
 
-    def __init__(self, group, q, k, method, scale, use_kernel, documents: DocumentMask | None = None):
+    def __init__(self, group, q, k, method, scale, use_kernel, documents: DocumentMask | None = None,
+                 window: int | None = None):
         self.group = group
         self.cp = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
@@ -142,6 +144,11 @@ class _Ctx:
         self.scale = scale
         self.dtype = _compute_dtype(q)
         self.kernel = _pick_kernel(q.device, self.dtype, self.head_dim, use_kernel)
+        # A sliding window: blocks get explicit masks from the global positions of their queries and keys, and a
+        # block no query of which sees any of its keys is skipped (counted in ``skipped``).
+        self.window = window
+        self.q_pos = cp_positions(self.local_len * self.cp, self.rank, self.cp, device=q.device)
+        self.skipped = 0
         # Block-causal attention: our tokens' document ids, the whole sequence's (in order), and the
         # per-document sub-blocks of each block, found once per forward and shared by all layers.
         self.documents = documents
@@ -164,10 +171,38 @@ class _Ctx:
     @staticmethod
     def _fold(acc_out, acc_lse, out, lse, index):
         old_lse = acc_lse[index]
-        new_lse = torch.logaddexp(old_lse, lse.float())
-        acc_out[index] = (acc_out[index] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                          + out.float() * torch.exp(lse.float() - new_lse).unsqueeze(-1))
+        lse = lse.to(old_lse.dtype)
+        new_lse = torch.logaddexp(old_lse, lse)
+        # A side that saw no key yet (lse -inf) weighs 0, also when both have none (where exp(-inf + inf) = nan).
+        old_weight = torch.where(old_lse == float("-inf"), 0.0, torch.exp(old_lse - new_lse))
+        new_weight = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - new_lse))
+        acc_out[index] = (acc_out[index] * old_weight.unsqueeze(-1)
+                          + out.to(acc_out.dtype) * new_weight.unsqueeze(-1))
         acc_lse[index] = new_lse
+
+    def key_positions(self, src: int) -> torch.Tensor:
+        """Global positions of rank ``src``'s keys, in its local (head, tail) order."""
+        return cp_positions(self.local_len * self.cp, src, self.cp, device=self.q_pos.device)
+
+    def mask(self, causal, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """What a block's kernel is given: ``causal`` without a window; with one, the (queries, keys) bool mask of
+        the window (None: no query sees any key, skip the block)."""
+        if self.window is None:
+            return causal
+        back = q_pos[:, None] - k_pos[None, :]
+        visible = (back >= 0) & (back < self.window)
+        if not visible.any():
+            self.skipped += 1
+            return None
+        return visible
+
+    def run(self, backward: bool, mask, *args):
+        """One block on the kernel, or on the math block where a query row of the mask sees no key (what the
+        fused kernels do with such rows is not defined; the math block gives out 0 and lse -inf)."""
+        kernel = self.kernel
+        if isinstance(mask, torch.Tensor) and not mask.any(-1).all():
+            kernel = "math"
+        return _run_block(kernel, backward, *args, mask, self.scale)
 
     def expand(self, kv: torch.Tensor) -> torch.Tensor:
         """(2, B, Hkv, L, D) stacked k/v -> (2, B, H, L, D) in the compute dtype (grouped-query attention)."""
@@ -186,39 +221,50 @@ class _Ctx:
         two, b, _, n, d = dkv.shape
         return dkv.view(two, b, self.kv_heads, groups, n, d).sum(3)
 
-    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal, blocks=None):
-        """Attend q[rows] to the block kv = (k, v) and fold the result into the running (out, lse); with
-        ``blocks`` (see document_blocks) only each document's rows to its own keys."""
+    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal, blocks=None, k_pos=None):
+        """Attend q[rows] to the block kv = (k, v) (keys at global positions ``k_pos``) and fold the result into
+        the running (out, lse); with ``blocks`` (see document_blocks) only each document's rows to its own keys."""
+        q_pos = self.q_pos[rows]
         if blocks is None:
-            out, lse = _run_block(self.kernel, False, q[:, :, rows].contiguous(), kv[0].contiguous(),
-                                  kv[1].contiguous(), causal, self.scale)
+            if (mask := self.mask(causal, q_pos, k_pos)) is None:
+                return
+            out, lse = self.run(False, mask, q[:, :, rows].contiguous(), kv[0].contiguous(), kv[1].contiguous())
             self._fold(acc_out, acc_lse, out, lse, (slice(None), slice(None), rows))
             return
         first = rows.start or 0
         for b, qs, qe, ks, ke in blocks:
+            if (mask := self.mask(causal, q_pos[qs:qe], k_pos[ks:ke])) is None:
+                continue
             index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
-            out, lse = _run_block(self.kernel, False, q[index].contiguous(), kv[0, b:b + 1, :, ks:ke].contiguous(),
-                                  kv[1, b:b + 1, :, ks:ke].contiguous(), causal, self.scale)
+            out, lse = self.run(False, mask, q[index].contiguous(), kv[0, b:b + 1, :, ks:ke].contiguous(),
+                                kv[1, b:b + 1, :, ks:ke].contiguous())
             self._fold(acc_out, acc_lse, out, lse, index)
 
-    def backward_block(self, dq, dout, q, out, lse, kv, rows, causal, blocks=None):
-        """Add this block's query gradient into ``dq`` and return its (dk, dv) stacked, in float32."""
+    def backward_block(self, dq, dout, q, out, lse, kv, rows, causal, blocks=None, k_pos=None):
+        """Add this block's query gradient into ``dq`` and return its (dk, dv) stacked, in float32 (or the
+        inputs' wider dtype)."""
+        q_pos = self.q_pos[rows]
+        work = dq.dtype
         if blocks is None:
-            grads = _run_block(self.kernel, True, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                               kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
-                               lse[:, :, rows].contiguous(), causal, self.scale)
-            dq[:, :, rows] += grads[0].float()
-            return self.reduce_heads(torch.stack([grads[1].float(), grads[2].float()]))
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            if (mask := self.mask(causal, q_pos, k_pos)) is None:
+                return torch.zeros((2, kv.shape[1], self.kv_heads, *kv.shape[3:]), dtype=work, device=kv.device)
+            grads = self.run(True, mask, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
+                             kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
+                             lse[:, :, rows].contiguous())
+            dq[:, :, rows] += grads[0].to(work)
+            return self.reduce_heads(torch.stack([grads[1].to(work), grads[2].to(work)]))
+        dkv = torch.zeros(kv.shape, dtype=work, device=kv.device)
         first = rows.start or 0
         for b, qs, qe, ks, ke in blocks:
+            if (mask := self.mask(causal, q_pos[qs:qe], k_pos[ks:ke])) is None:
+                continue
             index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
-            grads = _run_block(self.kernel, True, dout[index].contiguous(), q[index].contiguous(),
-                               kv[0, b:b + 1, :, ks:ke].contiguous(), kv[1, b:b + 1, :, ks:ke].contiguous(),
-                               out[index].contiguous(), lse[index].contiguous(), causal, self.scale)
-            dq[index] += grads[0].float()
-            dkv[0, b:b + 1, :, ks:ke] += grads[1].float()
-            dkv[1, b:b + 1, :, ks:ke] += grads[2].float()
+            grads = self.run(True, mask, dout[index].contiguous(), q[index].contiguous(),
+                             kv[0, b:b + 1, :, ks:ke].contiguous(), kv[1, b:b + 1, :, ks:ke].contiguous(),
+                             out[index].contiguous(), lse[index].contiguous())
+            dq[index] += grads[0].to(work)
+            dkv[0, b:b + 1, :, ks:ke] += grads[1].to(work)
+            dkv[1, b:b + 1, :, ks:ke] += grads[2].to(work)
         return self.reduce_heads(dkv)
 
     # -- ring: which rows of ours attend to which part of the block that started on rank ``src`` -------------
@@ -307,45 +353,58 @@ def _wait(works) -> None:
 
 class _CPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: _Ctx):
+    def forward(ctx, q, k, v, sinks, cp: _Ctx):
         kv = torch.stack([k, v]).contiguous()
         qc = q.to(cp.dtype)
-        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        acc_lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        work = torch.promote_types(cp.dtype, torch.float32)
+        acc_out = torch.zeros(q.shape, dtype=work, device=q.device)
+        acc_lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
         if cp.method == "allgather" and cp.cp > 1:
             full = cp.expand(cp.to_global(cp.all_gather(kv)))
             for rows, keys, causal, blocks in cp.allgather_blocks():
-                cp.forward_block(acc_out, acc_lse, qc, full[..., keys, :], rows, causal, blocks)
+                cp.forward_block(acc_out, acc_lse, qc, full[..., keys, :], rows, causal, blocks,
+                                 torch.arange(keys.start, keys.stop, device=q.device))
         else:
             for step in range(cp.cp):
                 works = None
                 if step < cp.cp - 1:
                     incoming = torch.empty_like(kv)
                     works = _exchange(kv, incoming, cp, tag=0)
-                rows, block, causal, blocks = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
-                cp.forward_block(acc_out, acc_lse, qc, block, rows, causal, blocks)
+                src = (cp.rank - step) % cp.cp
+                rows, block, causal, blocks = cp.ring_block(src, cp.expand(kv))
+                cp.forward_block(acc_out, acc_lse, qc, block, rows, causal, blocks,
+                                 cp.key_positions(src)[: block.size(-2)])
                 if works is not None:
                     _wait(works)
                     kv = incoming
+        if sinks is not None:
+            # The sink joins each query's softmax once, here, not once per block or rank (models/attention.py).
+            with_sink = torch.logaddexp(acc_lse, sinks.detach().to(work).view(1, -1, 1))
+            acc_out = acc_out * torch.exp(acc_lse - with_sink).unsqueeze(-1)
+            acc_lse = with_sink
+        if cp.window is not None and cp.skipped:
+            logger.debug(f"context parallel: {cp.skipped} blocks outside every query's window skipped")
         out = acc_out.to(cp.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.save_for_backward(q, k, v, out, acc_lse, sinks)
         ctx.cp = cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp: _Ctx = ctx.cp
         kv = torch.stack([k, v]).contiguous()
         qc, doutc = q.to(cp.dtype), dout.to(cp.dtype)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        work = lse.dtype
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)
         args = (dq, doutc, qc, out, lse)
         if cp.method == "allgather" and cp.cp > 1:
             # Gather again rather than keep the full-length keys/values alive between forward and backward.
             full = cp.expand(cp.to_global(cp.all_gather(kv)))
-            dfull = torch.zeros((2, *k.shape[:2], full.size(-2), k.size(-1)), dtype=torch.float32, device=q.device)
+            dfull = torch.zeros((2, *k.shape[:2], full.size(-2), k.size(-1)), dtype=work, device=q.device)
             for rows, keys, causal, blocks in cp.allgather_blocks():
-                dfull[..., keys, :] += cp.backward_block(*args, full[..., keys, :], rows, causal, blocks)
+                dfull[..., keys, :] += cp.backward_block(*args, full[..., keys, :], rows, causal, blocks,
+                                                         torch.arange(keys.start, keys.stop, device=q.device))
             dkv = cp.reduce_scatter(cp.from_global(dfull))
         else:
             # The gradient of each key/value block travels the ring with it and arrives home after cp hops.
@@ -355,9 +414,11 @@ class _CPAttention(torch.autograd.Function):
                 if step < cp.cp - 1:
                     incoming = torch.empty_like(kv)
                     works = _exchange(kv, incoming, cp, tag=1)
-                rows, block, causal, blocks = cp.ring_block((cp.rank - step) % cp.cp, cp.expand(kv))
-                block_grad = torch.zeros((2, *kv.shape[1:]), dtype=torch.float32, device=q.device)
-                block_grad[..., : block.size(-2), :] = cp.backward_block(*args, block, rows, causal, blocks)
+                src = (cp.rank - step) % cp.cp
+                rows, block, causal, blocks = cp.ring_block(src, cp.expand(kv))
+                block_grad = torch.zeros((2, *kv.shape[1:]), dtype=work, device=q.device)
+                block_grad[..., : block.size(-2), :] = cp.backward_block(*args, block, rows, causal, blocks,
+                                                                         cp.key_positions(src)[: block.size(-2)])
                 if dkv_works is not None:
                     _wait(dkv_works)
                     block_grad += dkv
@@ -370,7 +431,11 @@ class _CPAttention(torch.autograd.Function):
                     kv = incoming
             if dkv_works is not None:
                 _wait(dkv_works)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        dsinks = None
+        if sinks is not None:
+            weight = torch.exp(sinks.detach().to(work).view(1, -1, 1) - lse)  # the sink's probability
+            dsinks = -(weight * (dout.to(work) * out.to(work)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
 
 
 def _shared_documents(query_ids: torch.Tensor, key_ids: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
@@ -402,7 +467,8 @@ def _resolve_group(cp_group_or_mesh):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                cp_group_or_mesh: DeviceMesh | dist.ProcessGroup | None,
                                method: str = "allgather", scale: float | None = None, *,
-                               use_kernel: bool = True, documents: DocumentMask | None = None) -> torch.Tensor:
+                               use_kernel: bool = True, documents: DocumentMask | None = None,
+                               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of head-tail sharded q (B, H, L, D) and k/v (B, Hkv, L, D) over a CP group.
 
     Returns this rank's (B, H, L, D) rows of causal attention over the full, unsharded sequence, with
@@ -411,7 +477,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``cp_group_or_mesh`` is the 1-D cp DeviceMesh or its ProcessGroup; None means a single rank.
     ``use_kernel=False`` forces the pure-PyTorch math blocks instead of the fused SDPA kernels.
     ``documents`` (this rank's head-tail shard of the document ids) makes it block-causal: no token
-    attends across a document boundary, also where a document spans several ranks.
+    attends across a document boundary, also where a document spans several ranks. ``window`` and ``sinks`` as in
+    models/attention.py: a sliding window (blocks outside every query's window are skipped) and a learned logit
+    per head (H,) joining each query's softmax once.
     """
     if method not in METHODS:
         raise ValueError(f"context parallel method {method!r} is not one of {', '.join(METHODS)}")
@@ -428,8 +496,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if documents is not None and documents.ids.shape != (q.size(0), q.size(2)):
         raise ValueError(f"document ids of shape {tuple(documents.ids.shape)} do not match the (batch, local "
                          f"length) = {(q.size(0), q.size(2))} of q")
-    ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel, documents)
-    return _CPAttention.apply(q, k, v, ctx)
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} must be >= 1 (tokens each query sees, itself included)")
+    ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel, documents, window)
+    return _CPAttention.apply(q, k, v, sinks, ctx)
 
 
 def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str) -> None:
@@ -445,8 +515,9 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len:
     on_device: dict[torch.device, torch.Tensor] = {}
 
     @with_value_head_size
-    def attention(q, k, v, documents=None, scale=None):
-        return context_parallel_attention(q, k, v, cp_mesh, method, scale=scale, documents=documents)
+    def attention(q, k, v, documents=None, scale=None, window=None, sinks=None):
+        return context_parallel_attention(q, k, v, cp_mesh, method, scale=scale, documents=documents, window=window,
+                                          sinks=sinks)
 
     def rope_rows_of_this_rank(module, args, kwargs):
         if kwargs.get("positions") is not None:
