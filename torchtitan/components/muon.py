@@ -36,7 +36,7 @@ from torch.optim.adam import adam
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.whole_matrices import WholeMatrices
 from torchtitan.log import logger
-from torchtitan.models.moe import Router
+from torchtitan.models.moe import GroupedExperts, Router
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -77,7 +77,8 @@ def lr_factor(rule: str, param: torch.Tensor) -> float:
 def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter]],
                                                             list[tuple[str, nn.Parameter]]]:
     """(Muon's, AdamW's) named trainable parameters: Muon takes the 2-D and stacked 3-D matrices inside the
-    transformer blocks (any module under ``layers``), except router gates; AdamW takes the rest."""
+    transformer blocks (any module under ``layers``), except router gates and the experts' stacked biases; AdamW
+    takes the rest."""
     muon, adamw = [], []
     for part in model_parts:
         routers = [name + "." for name, module in part.named_modules() if isinstance(module, Router)]
@@ -89,7 +90,8 @@ def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.P
                     continue
                 full = f"{module_name}.{name}" if module_name else name
                 hidden_matrix = (in_block and param.ndim in (2, 3) and not in_router
-                                 and not isinstance(module, nn.Embedding))
+                                 and not isinstance(module, nn.Embedding)
+                                 and not (isinstance(module, GroupedExperts) and name in ("b1", "b2", "b3")))
                 (muon if hidden_matrix else adamw).append((full, param))
     return muon, adamw
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -92,6 +92,8 @@ class ExpertAllToAll:
 
 # Which dimension of each stacked matrix holds the hidden width (split by TP); dimension 0 is the expert.
 _HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+# The experts' biases (gpt-oss): b1, b3 (E, hidden) split like the hidden width; b2 (E, dim) whole on every TP rank.
+_BIAS_HIDDEN_DIM = {"b1": 1, "b3": 1, "b2": None}
 
 
 def _expert_mesh(parallel_dims: ParallelDims) -> tuple[DeviceMesh | None, bool, bool]:
@@ -112,14 +114,18 @@ def apply_moe_parallel(model: nn.Module, parallel_dims: ParallelDims) -> bool:
     cp = parallel_dims.submesh("cp")
     for moe in moes:
         if mesh is not None:
-            for name, hidden_dim in _HIDDEN_DIM.items():
-                placements = [*([Shard(0)] if on_ep else []), *([Shard(hidden_dim)] if on_tp else [])]
+            for name, hidden_dim in {**_HIDDEN_DIM, **_BIAS_HIDDEN_DIM}.items():
                 param = getattr(moe.experts, name)
+                if param is None:
+                    continue
+                tp_placement = Replicate() if hidden_dim is None else Shard(hidden_dim)
+                placements = [*([Shard(0)] if on_ep else []), *([tp_placement] if on_tp else [])]
                 setattr(moe.experts, name, nn.Parameter(distribute_tensor(param.data, mesh, placements),
                                                       requires_grad=param.requires_grad))
         moe.parallelize(MoEParallelism(
             expert_exchange=ExpertAllToAll(parallel_dims.submesh("ep").get_group()) if on_ep else None,
             sum_partial_grad=partial(sum_grad_over, group=parallel_dims.submesh("tp").get_group()) if on_tp else None,
             sequence_group=cp.get_group() if cp is not None else None,
+            tp_degree=parallel_dims.submesh("tp").size() if on_tp else 1,
         ))
     return True

@@ -115,7 +115,8 @@ class Decoder(nn.Module):
         return TransformerBlock(layer_id, a.dim, a.norm_eps, attention, ffn)
 
     def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
-        return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device)
+        table = rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device)
+        return table if self.args.rope_attention_factor == 1 else table * self.args.rope_attention_factor
 
     def tie_weights(self) -> None:
         """Make the output projection share the embedding table, when the flavor ties them.

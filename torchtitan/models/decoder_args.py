@@ -62,6 +62,11 @@ class DecoderArgs(BaseModelArgs):
         """The head_dim/2 RoPE frequencies (a family overrides this to rescale them)."""
         return rope_frequencies(self.head_dim, self.rope_theta)
 
+    @property
+    def rope_attention_factor(self) -> float:
+        """The factor on RoPE's cos and sin (YaRN's temperature; 1 without)."""
+        return 1.0
+
     def finalize(self, tokenizer_vocab_size: int, seq_len: int):
         return dataclasses.replace(self, vocab_size=self.vocab_size or tokenizer_vocab_size, max_seq_len=seq_len)
 

@@ -15,6 +15,7 @@ The trainer sets the training options (router dtype, expert path, auxiliary loss
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -47,6 +48,15 @@ class MoEArgs:
     """Width of the shared experts' SwiGLU that every token goes through (0: none)."""
     shared_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(a learned projection of the token) (Qwen3-Next)."""
+    router_bias: bool = False
+    """The router's projection has a bias (gpt-oss); unlike the balancing bias it changes the weights too."""
+    expert_biases: bool = False
+    """Every routed expert's three projections have biases (gpt-oss)."""
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts' gated unit: silu(gate) * linear, or gpt-oss's clamped form (gate clamped above at swiglu_limit,
+    linear to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (linear + 1))."""
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def check(self) -> list[tuple[str, str]]:
         """Problems as (field, reason) pairs."""
@@ -70,13 +80,17 @@ class MoEArgs:
             problems.append(("score_func", f"{self.score_func!r} is not 'softmax' or 'sigmoid'"))
         if self.shared_hidden_dim < 0:
             problems.append(("shared_hidden_dim", f"{self.shared_hidden_dim} must be >= 0"))
+        if self.activation not in ("swiglu", "clamped_swiglu"):
+            problems.append(("activation", f"{self.activation!r} is not 'swiglu' or 'clamped_swiglu'"))
         if self.shared_gate and not self.shared_hidden_dim:
             problems.append(("shared_gate", "gates the shared experts, but shared_hidden_dim is 0 (none)"))
         return problems
 
     def routed_params(self, dim: int) -> int:
-        """Parameters of the routed experts of one layer (three [num_experts, dim, hidden] matrices)."""
-        return 3 * self.num_experts * dim * self.hidden_dim
+        """Parameters of the routed experts of one layer (three [num_experts, dim, hidden] matrices, and their
+        biases)."""
+        biases = self.num_experts * (2 * self.hidden_dim + dim) if self.expert_biases else 0
+        return 3 * self.num_experts * dim * self.hidden_dim + biases
 
 
 def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
@@ -97,7 +111,7 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None,
                 dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,8 +122,9 @@ class Router(nn.Module):
         """
         a = self.args
         dtype = dtype or compute_dtype_of(x)
+        bias = None if self.gate.bias is None else _local(self.gate.bias).to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), _local(self.gate.weight).to(dtype)).float()
+            logits = F.linear(x.to(dtype), _local(self.gate.weight).to(dtype), bias).float()
         scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
         if a.n_groups > 1:
@@ -129,27 +144,45 @@ ExpertPath = Literal["grouped", "loop"]
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored stacked: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim).
+    """``num_experts`` SwiGLU experts stored stacked: w1, w3 (E, dim, hidden) and w2 (E, hidden, dim); with
+    ``args.expert_biases`` also b1, b3 (E, hidden) and b2 (E, dim).
 
     ``forward(x, counts)`` takes tokens already sorted by expert, ``counts[e]`` of them for expert e, and
     runs each expert over its own rows: with one grouped GEMM per matrix (``torch._grouped_mm``) or with a
     plain loop over the experts (the reference, and the path where the grouped kernel cannot run).
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, args: MoEArgs | None = None):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        if args is not None and args.expert_biases:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        else:
+            self.b1 = self.b2 = self.b3 = None
+        self.activation = _swiglu if args is None or args.activation == "swiglu" else partial(
+            _clamped_swiglu, limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         self.path: ExpertPath = "loop"
+        # Tensor parallelism: each rank's outputs are partial sums over the hidden width, so b2 is added as
+        # b2 / tp_degree by every rank, its gradient summed over them (set by MoE.parallelize).
+        self.tp_degree, self.sum_partial_grad = 1, None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype_of(x)
         x = x.to(dtype)
         w1, w2, w3 = (_local(w).to(dtype) for w in (self.w1, self.w2, self.w3))
+        biases = None
+        if self.b1 is not None:
+            b2 = _local(self.b2)
+            if self.tp_degree > 1:
+                b2 = self.sum_partial_grad(b2) / self.tp_degree
+            biases = tuple(b.to(dtype) for b in (_local(self.b1), b2, _local(self.b3)))
         if self.path == "grouped" and grouped_mm_supported(dtype, x.device, x.shape[-1], w1.shape[-1]):
-            return _grouped_swiglu(x, w1, w2, w3, counts)
-        return _looped_swiglu(x, w1, w2, w3, counts)
+            return _grouped_swiglu(x, w1, w2, w3, counts, biases, self.activation)
+        return _looped_swiglu(x, w1, w2, w3, counts, biases, self.activation)
 
 
 def grouped_mm_supported(dtype: torch.dtype, device: torch.device, dim: int, hidden: int) -> bool:
@@ -163,22 +196,41 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, dim: int, hid
     return dim % align == 0 and hidden % align == 0
 
 
-def _grouped_swiglu(x, w1, w2, w3, counts):
+def _swiglu(gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * linear
+
+
+def _clamped_swiglu(gate: torch.Tensor, linear: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (linear.clamp(-limit, limit) + 1)
+
+
+def _grouped_swiglu(x, w1, w2, w3, counts, biases=None, activation=_swiglu):
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    hidden = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-    return torch._grouped_mm(hidden, w2, offs=offsets)
+    gate, linear = torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
+    if biases is not None:
+        # Each row's expert's bias: the biases repeated by the experts' token counts.
+        b1, b2, b3 = (b.repeat_interleave(counts, dim=0) for b in biases)
+        gate, linear = gate + b1, linear + b3
+    out = torch._grouped_mm(activation(gate, linear), w2, offs=offsets)
+    return out if biases is None else out + b2
 
 
-def _looped_swiglu(x, w1, w2, w3, counts):
+def _looped_swiglu(x, w1, w2, w3, counts, biases=None, activation=_swiglu):
     # Split once: each expert's gradient is then its own slice, stacked once in backward. Indexing w1[e] per
     # expert instead made every expert's backward allocate and add a zero gradient the size of all experts.
     # The same for the tokens (split, not sliced: a slice's backward pads to all of x).
     w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    b1, b2, b3 = (b.unbind(0) for b in biases) if biases is not None else (None, None, None)
     outputs = []
     # An expert without tokens still multiplies an empty slice: its weights then get a zero gradient, which
     # every rank's gradient reduction expects.
     for expert, rows in enumerate(x.split(counts.tolist())):
-        outputs.append((F.silu(rows @ w1[expert]) * (rows @ w3[expert])) @ w2[expert])
+        gate, linear = rows @ w1[expert], rows @ w3[expert]
+        if b1 is not None:
+            gate, linear = gate + b1[expert], linear + b3[expert]
+        out = activation(gate, linear) @ w2[expert]
+        outputs.append(out if b2 is None else out + b2[expert])
     return torch.cat(outputs)
 
 
@@ -219,6 +271,8 @@ class MoEParallelism:
     """Tensor parallelism: the identity whose backward sums the gradient over the TP ranks."""
     sequence_group: dist.ProcessGroup | None = None
     """Context parallelism: the ranks holding shards of the same sequences."""
+    tp_degree: int = 1
+    """Tensor parallelism's degree (the experts' output biases are shared out over its ranks)."""
 
 
 @dataclass(frozen=True)
@@ -241,7 +295,7 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args)
         self.shared_experts = FeedForward(dim, args.shared_hidden_dim) if args.shared_hidden_dim else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if args.shared_gate else None
         # Auxiliary-loss-free balancing: added to the scores to choose experts (persistent: it is trained state).
@@ -270,6 +324,7 @@ class MoE(nn.Module):
     def parallelize(self, parallelism: MoEParallelism) -> None:
         """Take the communication the parallelisms need (see the module docstring)."""
         self.parallelism = parallelism
+        self.experts.tp_degree, self.experts.sum_partial_grad = parallelism.tp_degree, parallelism.sum_partial_grad
 
     def take_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens routed to each expert and the summed auxiliary loss since the last call; both reset."""

@@ -9,6 +9,7 @@ A family changes the frequencies (Llama 3.1 scaling, YaRN) by handing ``rope_tab
 positions that restart per document go through ``apply_rope``'s ``positions``.
 """
 
+import math
 from typing import Literal
 
 import torch
@@ -19,6 +20,32 @@ RopeConvention = Literal["pairs", "halves"]
 def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     """The head_dim/2 rotation frequencies theta^(-2i/head_dim), in float64."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: float,
+                     beta_slow: float, truncate: bool = True) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): the dim/2 frequencies, those that turn fewer than ``beta_slow`` times over the
+    original length divided by ``factor`` (interpolated), those that turn more than ``beta_fast`` times kept, a
+    linear ramp between (its ends rounded outwards with ``truncate``, as DeepSeek-V3; not for gpt-oss)."""
+    freqs = rope_frequencies(dim, theta)
+    if factor <= 1:
+        return freqs
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)
+    extrapolate = 1 - ramp.clamp(0, 1)  # 1: keep the original frequency (high-frequency channels)
+    return freqs / factor * (1 - extrapolate) + freqs * extrapolate
 
 
 def rope_table(freqs: torch.Tensor, max_seq_len: int, device: torch.device | None = None) -> torch.Tensor:

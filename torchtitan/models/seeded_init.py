@@ -60,10 +60,16 @@ def ones_(t: torch.Tensor, g: torch.Generator) -> None:
     t.fill_(1.0)
 
 
+def zeros_(t: torch.Tensor, g: torch.Generator) -> None:
+    t.zero_()
+
+
 def decoder_fill(name: str, dim: int, tie_embeddings: bool) -> FillFn:
-    """The init of a Llama-style decoder's parameter by (canonical) name: norms 1, embeddings N(0, 1) (or the
+    """The init of a Llama-style decoder's parameter by (canonical) name: biases 0, norms 1, embeddings N(0, 1) (or the
     output's scale when tied), output N(0, dim^-1/2), residual projections (wo, w2) shrinking with depth,
     every other weight N(0, 0.02)."""
+    if name.endswith((".bias", "experts.b1", "experts.b2", "experts.b3")):
+        return zeros_
     if "norm" in name:
         return ones_
     if name.startswith("tok_embeddings"):

@@ -30,19 +30,13 @@ Sources of the published numbers:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.models.moe import MoEArgs
-from torchtitan.models.rope import RopeConvention, rope_frequencies
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature correction for a context stretched ``factor`` times."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from torchtitan.models.rope import RopeConvention, yarn_frequencies, yarn_mscale
 
 
 @dataclass
@@ -99,19 +93,8 @@ class DeepseekV3ModelArgs(DecoderArgs):
         return yarn_mscale(self.rope_factor)
 
     def rope_frequencies(self) -> torch.Tensor:
-        dim, base = self.qk_rope_head_dim, self.rope_theta
-        freqs = rope_frequencies(dim, base)
-        if self.rope_factor <= 1:
-            return freqs
-
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(self.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
-        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)
-        extrapolate = 1 - ramp.clamp(0, 1)  # 1: keep the original frequency (high-frequency channels)
-        return freqs / self.rope_factor * (1 - extrapolate) + freqs * extrapolate
+        return yarn_frequencies(self.qk_rope_head_dim, self.rope_theta, self.rope_factor, self.original_seq_len,
+                                self.beta_fast, self.beta_slow)
 
     def check(self) -> list[tuple[str, str]]:
         problems = super().check()

@@ -22,7 +22,7 @@ from torchtitan.models.decoder import Decoder, TransformerBlock
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
 from torchtitan.models.feed_forward import FeedForward
 from torchtitan.models.moe import MoE
-from torchtitan.models.rope import apply_rope, rope_table
+from torchtitan.models.rope import apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -111,10 +111,6 @@ class DeepseekV3Model(Decoder):
         ffn = MoE(a.dim, a.moe) if a.is_moe_layer(layer_id) else FeedForward(a.dim, a.ffn_hidden_dim)
         block = MultiTokenPredictionBlock if layer_id >= a.n_layers else TransformerBlock
         return block(layer_id, a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
-
-    def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
-        # YaRN scales cos and sin by its attention factor (1 for the published flavors).
-        return rope_table(self.args.rope_frequencies(), self.args.max_seq_len, device) * self.args.rope_attention_factor
 
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
