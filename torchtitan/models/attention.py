@@ -43,13 +43,13 @@ def with_value_head_size(kernel):
     Exact (forward and gradients); the flash kernels refuse differing sizes. A kernel given scale=None uses
     1/sqrt(q head size), as before the padding."""
 
-    def wrapped(q, k, v, *args, scale: float | None = None):
+    def wrapped(q, k, v, *args, scale: float | None = None, **options):
         if v.shape[-1] == q.shape[-1]:
-            return kernel(q, k, v, *args, scale=scale)
+            return kernel(q, k, v, *args, scale=scale, **options)
         pad = q.shape[-1] - v.shape[-1]
         if pad < 0:
             raise ValueError(f"value head size {v.shape[-1]} is larger than the query head size {q.shape[-1]}")
-        out = kernel(q, k, F.pad(v, (0, pad)), *args, scale=scale)
+        out = kernel(q, k, F.pad(v, (0, pad)), *args, scale=scale, **options)
         return out[..., : v.shape[-1]]
 
     return wrapped
