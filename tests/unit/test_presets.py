@@ -23,7 +23,7 @@ def test_every_shipped_preset_parses_and_validates(preset):
     if not Path(cfg.model.hf_assets_path).exists():
         # Large presets point at a tokenizer the user downloads; check the rest with the shipped one.
         assert preset.name.startswith(("llama3_", "qwen3_moe_30b", "deepseek_v3_671b", "deepseek_v3_16b",
-                                       "qwen3_next_80b")), preset
+                                       "qwen3_next_80b", "gpt_oss_20b")), preset
         cfg.model.hf_assets_path = str(TOKENIZER)
     # At the world size it is written for (its degrees, expert parallelism among them, must fit it).
     validate_config(cfg, sources, world_size=intended_run(preset)[1])
