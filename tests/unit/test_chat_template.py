@@ -202,11 +202,13 @@ def test_template_without_markers_trains_what_generation_blocks_around_each_turn
 # Special tokens of the published templates under test, added to our vocabulary (ids from 2048) in both formats;
 # the tags Qwen3 writes as text are added tokens not marked special, as in its tokenizer.
 EXTRA_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-                 "<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+                 "<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                 "<|startoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
 EXTRA_PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 MODEL_TOKENS = {"qwen3.jinja": (None, "<|im_end|>"), "phi3.jinja": ("<s>", "<|endoftext|>"),
                 "mistral_style.jinja": ("<s>", "</s>"), "qwen2_5_style.jinja": (None, "<|im_end|>"),
-                "llama3_1_style.jinja": ("<|begin_of_text|>", "<|eot_id|>")}  # (bos, eos) of each template's model
+                "llama3_1_style.jinja": ("<|begin_of_text|>", "<|eot_id|>"),
+                "gptoss.jinja": ("<|startoftext|>", "<|return|>")}  # (bos, eos) of each template's model
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +278,17 @@ PUBLISHED_CASES = {
          ["Salut 😊<|end|>", "Très bien.<|end|>"]),
         ([user("Q1"), assistant("A1"), user("Q2"), assistant(""), user("Q3"), assistant("A3 – done")],
          ["A1<|end|>", "<|end|>", "A3 – done<|end|>"]),
+    ],
+    # gpt-oss's harmony format: a system message becomes the developer's instructions, replies go to the final
+    # channel and reasoning to the analysis channel (kept in the last turn only), the last reply ends <|return|>.
+    "gptoss.jinja": [
+        ([{"role": "system", "content": "Be brief."}, user("Hi"), assistant("Salut.")],
+         ["<|channel|>final<|message|>Salut.<|return|>"]),
+        ([{"role": "developer", "content": "Answer in French."}, user("Hi"), assistant("Bonjour 👋")],
+         ["<|channel|>final<|message|>Bonjour 👋<|return|>"]),
+        ([user("2+2?"), assistant("4.", thinking="Add."), user("And 3+3?"), assistant("6.", thinking="Add again.")],
+         ["<|channel|>final<|message|>4.<|end|>",
+          "<|channel|>analysis<|message|>Add again.<|end|><|start|>assistant<|channel|>final<|message|>6.<|return|>"]),
     ],
     "mistral_style.jinja": [
         ([{"role": "system", "content": "Answer in one word."}, user("Capital of France?"), assistant("Paris")],
