@@ -65,7 +65,7 @@ def test_sinks_and_windows_equal_the_explicit_softmax(dtype, tol, kernel, window
     assert (ours - expected).abs().max() <= tol
     got = torch.autograd.grad((ours * cotangent).sum(), inputs)
     want = torch.autograd.grad((expected * cotangent).sum(), inputs)
-    for name, a, b in zip("q k v sinks".split(), got, want):
+    for name, a, b in zip(["q", "k", "v", "sinks"], got, want):
         assert (a - b).abs().max() <= tol * max(1.0, b.abs().max().item()), name
     assert set(calls) == {kernel} and not attention_kernels._failed_kernels  # the kernel asked for ran
 

@@ -3,8 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models import amx_attention
-from torchtitan.models import attention_kernels
+from torchtitan.models import amx_attention, attention_kernels
 
 _aten = torch.ops.aten
 
