@@ -20,14 +20,14 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE on q and k, optionally RMS-normalised per head first (QK-norm)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_convention: RopeConvention,
-                 qk_norm_eps: float | None = None):
+                 qk_norm_eps: float | None = None, bias: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.rope_convention = rope_convention
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         # The attention kernel, attention_fn(q, k, v, documents); context parallelism swaps in one that
         # attends over a sharded sequence.
         self.attention_fn = attend

@@ -45,7 +45,8 @@ class GptOssModelArgs(DecoderArgs):
 
     @property
     def ffn_hidden_dim(self) -> int:
-        return self.moe.hidden_dim if self.moe is not None else 4 * self.dim
+        # Every block is MoE; a dense block (n_dense_layers) would take the experts' width.
+        return self.moe.hidden_dim if self.moe is not None else 0
 
     def window(self, layer_id: int) -> int | None:
         return self.sliding_window if layer_id % 2 == 0 else None
@@ -66,6 +67,8 @@ class GptOssModelArgs(DecoderArgs):
         return 12 * self.n_heads * self.head_dim * keys
 
     def check(self) -> list[tuple[str, str]]:
+        if self.moe is None:
+            return [("moe", "gpt-oss's blocks are Mixture-of-Experts: moe must be set")]
         problems = super().check()
         if self.sliding_window < 1:
             problems.append(("sliding_window", f"{self.sliding_window} must be >= 1"))

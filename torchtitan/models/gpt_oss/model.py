@@ -33,13 +33,8 @@ class SinkLogits(nn.Module):
 
 class SinkAttention(Attention):
     def __init__(self, args: GptOssModelArgs, window: int | None):
-        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.rope_convention)
+        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.rope_convention, bias=True)
         self.window = window
-        for name, (fan_in, fan_out) in {"wq": (args.dim, args.n_heads * args.head_dim),
-                                        "wk": (args.dim, args.kv_heads * args.head_dim),
-                                        "wv": (args.dim, args.kv_heads * args.head_dim),
-                                        "wo": (args.n_heads * args.head_dim, args.dim)}.items():
-            setattr(self, name, nn.Linear(fan_in, fan_out, bias=True))
         self.sinks = SinkLogits(args.n_heads)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
