@@ -106,3 +106,23 @@ def test_short_conv_is_the_causal_depthwise_conv_and_stays_within_documents():
     tail = causal_short_conv(x[:, 12:], weight, history=x[:, 9:12])
     assert (tail - expected[:, 12:]).abs().max() <= 1e-12
     assert document_resets(ids)[0].nonzero().flatten().tolist() == [9]
+
+
+def test_strong_decay_with_a_document_starting_inside_a_chunk_stays_finite_and_exact():
+    # At init the decay reaches ~exp(-1.6) per token: the earlier document's decay sum is then far above the last
+    # one's, and its weight at the chunk's end must be 0, not exp(overflow) * 0.
+    gen = fresh_generator()
+    q, k, v, _, beta = random_inputs(1, 128, 2, 8, 4, torch.float64, gen)
+    g = torch.full((1, 128, 2), -1.6, dtype=torch.float64) * (1 + torch.rand(1, 128, 2, dtype=torch.float64,
+                                                                               generator=gen))
+    resets = torch.zeros(1, 128, dtype=torch.bool)
+    resets[0, 60] = True
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    out, state = gated_delta_rule(*inputs, resets)
+    expected, expected_state = recurrence(*inputs, resets)
+    assert torch.isfinite(out).all() and (out - expected).abs().max() <= 1e-10
+    assert (state - expected_state).abs().max() <= 1e-10
+    grads = torch.autograd.grad(out.sum() + state.sum(), inputs)
+    want = torch.autograd.grad(expected.sum() + expected_state.sum(), inputs)
+    for a, b in zip(grads, want):
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-10

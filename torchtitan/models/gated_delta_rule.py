@@ -73,7 +73,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     scores = (q @ k.transpose(-1, -2)) * ratio  # (G_t/G_s) q_t.k_s, s <= t in one document
     q_in = decay_in.unsqueeze(-1) * q
     # What each token's write still weighs at the chunk's end (its document must reach the end).
-    to_end = torch.exp(gamma[..., -1:] - gamma) * (segment == segment[..., -1:]).to(work)
+    # exp only where the document reaches the end: an earlier document's own decay sum can be far above the last
+    # one's, and exp of that difference overflows (inf * 0 = nan).
+    to_end = torch.exp((gamma[..., -1:] - gamma).masked_fill(segment != segment[..., -1:], float("-inf")))
     k_out = to_end.unsqueeze(-1) * k
     decay_all = torch.exp(gamma[..., -1]) * continues[..., -1]  # (B, H, N): S_0's weight at the chunk's end
 
