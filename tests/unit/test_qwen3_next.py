@@ -133,3 +133,21 @@ def test_the_planner_sees_the_linear_blocks():
     hybrid = planner.layer_activation_bytes(m, cfg, on_cpu=False, tp=1)
     assert hybrid != planner.layer_activation_bytes(dataclasses.replace(m, linear_layers=()), cfg, on_cpu=False,
                                                     tp=1)
+
+
+def test_released_multi_token_prediction_tensors_are_skipped_on_import():
+    model = _random_model(seed=1)
+    adapter = Qwen3NextStateDictAdapter(model.args)
+    hf = adapter.to_hf(model.state_dict())
+    ours = adapter.from_hf({**hf, "mtp.fc.weight": torch.zeros(4, 4), "mtp.layers.0.input_layernorm.weight":
+                            torch.zeros(4)})
+    assert set(ours) == set(adapter.from_hf(hf)) and not any(name.startswith("mtp") for name in ours)
+
+
+def test_muon_leaves_conv_filters_and_the_shared_gate_to_adamw():
+    from torchtitan.components.muon import split_parameters
+
+    muon, adamw = split_parameters([_random_model(seed=2)])
+    muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
+    assert "layers.0.attention.conv.weight" in adamw_names and "layers.0.moe.shared_gate.weight" in adamw_names
+    assert "layers.0.attention.in_proj_qkv.weight" in muon_names

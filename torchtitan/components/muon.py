@@ -36,6 +36,7 @@ from torch.optim.adam import adam
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.whole_matrices import WholeMatrices
 from torchtitan.log import logger
+from torchtitan.models.gated_deltanet import ShortConv
 from torchtitan.models.moe import GroupedExperts, Router
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -77,8 +78,8 @@ def lr_factor(rule: str, param: torch.Tensor) -> float:
 def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.Parameter]],
                                                             list[tuple[str, nn.Parameter]]]:
     """(Muon's, AdamW's) named trainable parameters: Muon takes the 2-D and stacked 3-D matrices inside the
-    transformer blocks (any module under ``layers``), except router gates and the experts' stacked biases; AdamW
-    takes the rest."""
+    transformer blocks (any module under ``layers``), except router gates, the experts' stacked biases, the
+    shared-expert gate (one row) and depthwise conv filters (per channel, not a matrix); AdamW takes the rest."""
     muon, adamw = [], []
     for part in model_parts:
         routers = [name + "." for name, module in part.named_modules() if isinstance(module, Router)]
@@ -91,7 +92,8 @@ def split_parameters(model_parts: list[nn.Module]) -> tuple[list[tuple[str, nn.P
                 full = f"{module_name}.{name}" if module_name else name
                 hidden_matrix = (in_block and param.ndim in (2, 3) and not in_router
                                  and not isinstance(module, nn.Embedding)
-                                 and not (isinstance(module, GroupedExperts) and name in ("b1", "b2", "b3")))
+                                 and not (isinstance(module, GroupedExperts) and name in ("b1", "b2", "b3"))
+                                 and not isinstance(module, ShortConv) and not module_name.endswith("shared_gate"))
                 (muon if hidden_matrix else adamw).append((full, param))
     return muon, adamw
 

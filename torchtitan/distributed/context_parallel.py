@@ -31,7 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config.job_config import Parallelism, Training, Validation
 from torchtitan.log import logger
 from torchtitan.models.attention import DocumentMask, document_spans, with_value_head_size
-from torchtitan.models.attention_kernels import _compute_dtype, _pick_kernel, _run_block
+from torchtitan.models.attention_kernels import (
+    _compute_dtype,
+    _pick_kernel,
+    _run_block,
+    check_window,
+    fold_sinks,
+    sink_grad,
+)
 
 METHODS = ("allgather", "ring")
 
@@ -378,10 +385,8 @@ class _CPAttention(torch.autograd.Function):
                     _wait(works)
                     kv = incoming
         if sinks is not None:
-            # The sink joins each query's softmax once, here, not once per block or rank (models/attention.py).
-            with_sink = torch.logaddexp(acc_lse, sinks.detach().to(work).view(1, -1, 1))
-            acc_out = acc_out * torch.exp(acc_lse - with_sink).unsqueeze(-1)
-            acc_lse = with_sink
+            # The sink joins each query's softmax once, here, not once per block or rank.
+            acc_out, acc_lse = fold_sinks(acc_out, acc_lse, sinks)
         if cp.window is not None and cp.skipped:
             logger.debug(f"context parallel: {cp.skipped} blocks outside every query's window skipped")
         out = acc_out.to(cp.dtype)
@@ -431,10 +436,7 @@ class _CPAttention(torch.autograd.Function):
                     kv = incoming
             if dkv_works is not None:
                 _wait(dkv_works)
-        dsinks = None
-        if sinks is not None:
-            weight = torch.exp(sinks.detach().to(work).view(1, -1, 1) - lse)  # the sink's probability
-            dsinks = -(weight * (dout.to(work) * out.to(work)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None
 
 
@@ -496,8 +498,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if documents is not None and documents.ids.shape != (q.size(0), q.size(2)):
         raise ValueError(f"document ids of shape {tuple(documents.ids.shape)} do not match the (batch, local "
                          f"length) = {(q.size(0), q.size(2))} of q")
-    if window is not None and window < 1:
-        raise ValueError(f"attention window {window} must be >= 1 (tokens each query sees, itself included)")
+    check_window(window)
     ctx = _Ctx(_resolve_group(cp_group_or_mesh), q, k, method, scale, use_kernel, documents, window)
     return _CPAttention.apply(q, k, v, sinks, ctx)
 

@@ -41,7 +41,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # summed in place: not autograd's own buffer
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
 

@@ -200,8 +200,7 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     log-sum-exp logaddexp(L, s) (the flash-attention backward is exact for any normaliser it is given), and the
     sink's gradient is -sum over queries of exp(s - L') * (dO . O).
     """
-    if window is not None and window < 1:
-        raise ValueError(f"attention window {window} must be >= 1 (tokens each query sees, itself included)")
+    attention_kernels.check_window(window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k, v))
@@ -244,9 +243,7 @@ class _BlockedAttention(torch.autograd.Function):
             out[rows, :, qs:qe] = o.to(work)
             lse[rows, :, qs:qe] = l.to(work)
         if sinks is not None:
-            with_sink = torch.logaddexp(lse, sinks.detach().to(work).view(1, -1, 1))
-            out = out * torch.exp(lse - with_sink).unsqueeze(-1)
-            lse = with_sink
+            out, lse = attention_kernels.fold_sinks(out, lse, sinks)
         out = out.to(dtype)
         ctx.save_for_backward(qc, kc, vc, out, lse, sinks)
         ctx.blocks, ctx.scale, ctx.kernel, ctx.dtypes = blocks, scale, kernel, (q.dtype, k.dtype, v.dtype)
@@ -266,10 +263,6 @@ class _BlockedAttention(torch.autograd.Function):
             dq[rows, :, qs:qe] += grads[0].to(work)
             dk[rows, :, ks:ke] += grads[1].to(work)
             dv[rows, :, ks:ke] += grads[2].to(work)
-        dsinks = None
-        if sinks is not None:
-            weight = torch.exp(sinks.detach().to(work).view(1, -1, 1) - lse)  # the sink's probability
-            delta = (dout.to(work) * out.to(work)).sum(-1)
-            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+        dsinks = None if sinks is None else attention_kernels.sink_grad(dout, out, lse, sinks)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), dsinks, None, None

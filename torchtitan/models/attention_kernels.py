@@ -147,7 +147,7 @@ def _run_block(kernel: str, backward: bool, *args):
                 raise
             dtype = args[0].dtype
             _failed_kernels.add((kernel, dtype))
-            warnings.warn(f"context parallel: kernel {kernel} failed for {dtype} ({err}); using the math path",
+            warnings.warn(f"attention block: kernel {kernel} failed for {dtype} ({err}); using the math path",
                           stacklevel=2)
     return list(KERNELS["math"][backward](*args))
 
@@ -157,3 +157,28 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return t.dtype
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Attention sinks and windows on merged results
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} must be >= 1 (tokens each query sees, itself included)")
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sink s per head (H,) joins each query's softmax as one more logit with no value: given the output and
+    log-sum-exp over the real keys, (out * sigmoid(lse - s), logaddexp(lse, s)). Folded once, after every block is
+    merged; the blocks' backward, given these, is exact for the softmax with the sink."""
+    with_sink = torch.logaddexp(lse, sinks.detach().to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, -sum over queries of P(sink) * (dO . O), from the folded output and log-sum-exp."""
+    weight = torch.exp(sinks.detach().to(lse.dtype).view(1, -1, 1) - lse)
+    return -(weight * (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+

@@ -49,7 +49,7 @@ def causal_short_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor |
     kernel = weight.shape[-1]
     if history is None:
         history = x.new_zeros(x.shape[0], kernel - 1, x.shape[-1])
-        history_ids = None if ids is None else torch.full_like(ids[:, : kernel - 1], -1)
+        history_ids = None if ids is None else ids.new_full((ids.shape[0], kernel - 1), -1)
     padded = torch.cat([history.to(x.dtype), x], dim=1)
     padded_ids = None if ids is None else torch.cat([history_ids, ids], dim=1)
     length = x.shape[1]

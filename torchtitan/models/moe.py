@@ -51,10 +51,11 @@ class MoEArgs:
     router_bias: bool = False
     """The router's projection has a bias (gpt-oss); unlike the balancing bias it changes the weights too."""
     expert_biases: bool = False
-    """Every routed expert's three projections have biases (gpt-oss)."""
+    """Every routed expert's three projections have biases (gpt-oss); not the shared experts."""
     activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
-    """The experts' gated unit: silu(gate) * linear, or gpt-oss's clamped form (gate clamped above at swiglu_limit,
-    linear to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (linear + 1))."""
+    """The routed experts' gated unit: silu(gate) * linear, or gpt-oss's clamped form (gate clamped above at
+    swiglu_limit, linear to [-swiglu_limit, swiglu_limit], gate * sigmoid(swiglu_alpha * gate) * (linear + 1));
+    shared experts stay SwiGLU."""
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
 
@@ -82,6 +83,8 @@ class MoEArgs:
             problems.append(("shared_hidden_dim", f"{self.shared_hidden_dim} must be >= 0"))
         if self.activation not in ("swiglu", "clamped_swiglu"):
             problems.append(("activation", f"{self.activation!r} is not 'swiglu' or 'clamped_swiglu'"))
+        elif self.activation == "clamped_swiglu" and self.swiglu_limit <= 0:
+            problems.append(("swiglu_limit", f"{self.swiglu_limit} must be positive"))
         if self.shared_gate and not self.shared_hidden_dim:
             problems.append(("shared_gate", "gates the shared experts, but shared_hidden_dim is 0 (none)"))
         return problems
@@ -210,7 +213,7 @@ def _grouped_swiglu(x, w1, w2, w3, counts, biases=None, activation=_swiglu):
     gate, linear = torch._grouped_mm(x, w1, offs=offsets), torch._grouped_mm(x, w3, offs=offsets)
     if biases is not None:
         # Each row's expert's bias: the biases repeated by the experts' token counts.
-        b1, b2, b3 = (b.repeat_interleave(counts, dim=0) for b in biases)
+        b1, b2, b3 = (b.repeat_interleave(counts, dim=0, output_size=x.shape[0]) for b in biases)
         gate, linear = gate + b1, linear + b3
     out = torch._grouped_mm(activation(gate, linear), w2, offs=offsets)
     return out if biases is None else out + b2

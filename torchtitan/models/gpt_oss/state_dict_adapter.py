@@ -87,6 +87,7 @@ class GptOssStateDictAdapter(DecoderStateDictAdapter):
             "num_local_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k,
             "swiglu_limit": moe.swiglu_limit,
+            "swiglu_alpha": moe.swiglu_alpha,
             "router_aux_loss_coef": 0.0,
             "output_router_logits": False,
         }

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from torchtitan.log import logger
 from torchtitan.models.decoder_state_dict_adapter import UnexpectedWeightError
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.models.qwen3_next.args import LINEAR, Qwen3NextModelArgs
@@ -79,7 +80,12 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         return {**super().to_hf(state), **fused}
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        state, split = dict(state), {}
+        # The released checkpoints carry a multi-token prediction module (mtp.*) that the model does not have;
+        # transformers skips it on load too.
+        mtp = [name for name in state if name.startswith("mtp.")]
+        if mtp:
+            logger.info(f"{self.family}: skipped the checkpoint's {len(mtp)} multi-token prediction tensors (mtp.*)")
+        state, split = {k: v for k, v in state.items() if not k.startswith("mtp.")}, {}
         nk, dk, r, dv = self._sizes()
         for name in [n for n in state if n.endswith(_FUSED_HF)]:
             match = _HF_LAYER.match(name)
