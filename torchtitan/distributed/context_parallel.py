@@ -228,50 +228,44 @@ class _Ctx:
         two, b, _, n, d = dkv.shape
         return dkv.view(two, b, self.kv_heads, groups, n, d).sum(3)
 
-    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal, blocks=None, k_pos=None):
-        """Attend q[rows] to the block kv = (k, v) (keys at global positions ``k_pos``) and fold the result into
-        the running (out, lse); with ``blocks`` (see document_blocks) only each document's rows to its own keys."""
+    def parts(self, rows, causal, blocks, k_pos, n_keys):
+        """Yield (batch rows, query rows, key range, mask) of every part of a block that computes: the whole block,
+        or with ``blocks`` (see document_blocks) each document's rows against its own keys; with a window, each
+        part's keys cut to those some query sees (the rest of a long block is never read)."""
         q_pos = self.q_pos[rows]
-        if blocks is None:
-            if (mask := self.mask(causal, q_pos, k_pos)) is None:
-                return
-            out, lse = self.run(False, mask, q[:, :, rows].contiguous(), kv[0].contiguous(), kv[1].contiguous())
-            self._fold(acc_out, acc_lse, out, lse, (slice(None), slice(None), rows))
-            return
         first = rows.start or 0
-        for b, qs, qe, ks, ke in blocks:
+        pieces = [(slice(None), 0, len(q_pos), 0, n_keys)] if blocks is None else [
+            (slice(b, b + 1), qs, qe, ks, ke) for b, qs, qe, ks, ke in blocks]
+        for batch, qs, qe, ks, ke in pieces:
             if (mask := self.mask(causal, q_pos[qs:qe], k_pos[ks:ke])) is None:
                 continue
-            index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
-            out, lse = self.run(False, mask, q[index].contiguous(), kv[0, b:b + 1, :, ks:ke].contiguous(),
-                                kv[1, b:b + 1, :, ks:ke].contiguous())
+            if isinstance(mask, torch.Tensor):
+                seen = mask.any(0).nonzero().flatten().tolist()
+                mask, ks, ke = mask[:, seen[0]: seen[-1] + 1], ks + seen[0], ks + seen[-1] + 1
+            yield batch, slice(first + qs, first + qe), slice(ks, ke), mask
+
+    def forward_block(self, acc_out, acc_lse, q, kv, rows, causal, blocks=None, k_pos=None):
+        """Attend q[rows] to the block kv = (k, v) (keys at global positions ``k_pos``) and fold the result into
+        the running (out, lse)."""
+        for batch, q_rows, keys, mask in self.parts(rows, causal, blocks, k_pos, kv.shape[-2]):
+            index = (batch, slice(None), q_rows)
+            out, lse = self.run(False, mask, q[index].contiguous(), kv[0, batch, :, keys].contiguous(),
+                                kv[1, batch, :, keys].contiguous())
             self._fold(acc_out, acc_lse, out, lse, index)
 
     def backward_block(self, dq, dout, q, out, lse, kv, rows, causal, blocks=None, k_pos=None):
         """Add this block's query gradient into ``dq`` and return its (dk, dv) stacked, in float32 (or the
         inputs' wider dtype)."""
-        q_pos = self.q_pos[rows]
         work = dq.dtype
-        if blocks is None:
-            if (mask := self.mask(causal, q_pos, k_pos)) is None:
-                return torch.zeros((2, kv.shape[1], self.kv_heads, *kv.shape[3:]), dtype=work, device=kv.device)
-            grads = self.run(True, mask, dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                             kv[0].contiguous(), kv[1].contiguous(), out[:, :, rows].contiguous(),
-                             lse[:, :, rows].contiguous())
-            dq[:, :, rows] += grads[0].to(work)
-            return self.reduce_heads(torch.stack([grads[1].to(work), grads[2].to(work)]))
         dkv = torch.zeros(kv.shape, dtype=work, device=kv.device)
-        first = rows.start or 0
-        for b, qs, qe, ks, ke in blocks:
-            if (mask := self.mask(causal, q_pos[qs:qe], k_pos[ks:ke])) is None:
-                continue
-            index = (slice(b, b + 1), slice(None), slice(first + qs, first + qe))
+        for batch, q_rows, keys, mask in self.parts(rows, causal, blocks, k_pos, kv.shape[-2]):
+            index = (batch, slice(None), q_rows)
             grads = self.run(True, mask, dout[index].contiguous(), q[index].contiguous(),
-                             kv[0, b:b + 1, :, ks:ke].contiguous(), kv[1, b:b + 1, :, ks:ke].contiguous(),
+                             kv[0, batch, :, keys].contiguous(), kv[1, batch, :, keys].contiguous(),
                              out[index].contiguous(), lse[index].contiguous())
             dq[index] += grads[0].to(work)
-            dkv[0, b:b + 1, :, ks:ke] += grads[1].to(work)
-            dkv[1, b:b + 1, :, ks:ke] += grads[2].to(work)
+            dkv[0, batch, :, keys] += grads[1].to(work)
+            dkv[1, batch, :, keys] += grads[2].to(work)
         return self.reduce_heads(dkv)
 
     # -- ring: which rows of ours attend to which part of the block that started on rank ``src`` -------------
