@@ -151,3 +151,13 @@ def test_muon_leaves_conv_filters_and_the_shared_gate_to_adamw():
     muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
     assert "layers.0.attention.conv.weight" in adamw_names and "layers.0.moe.shared_gate.weight" in adamw_names
     assert "layers.0.attention.in_proj_qkv.weight" in muon_names
+
+
+def test_a_sequence_too_short_for_the_conv_under_context_parallelism_is_refused_by_name():
+    from torchtitan.config import ConfigError, load_config
+    from torchtitan.config_check import validate_config
+
+    cfg, sources = load_config(["--job.config_file", "train_configs/qwen3_next_debug.toml", "--training.seq_len", "8",
+                                "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match=r"training.seq_len = 8 splits into chunks of 2 tokens.*seq_len >= 12"):
+        validate_config(cfg, sources, world_size=2)

@@ -125,4 +125,13 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
             return [("parallelism.context_parallel_degree",
                      f"is not supported by model.name = {m.name!r}: none of its modules has an attention_fn "
                      "(docs/extending.md says what context parallelism needs)")], spec, args
+        # A linear-attention layer's conv reads its history from the previous chunk of the 2 * cp (one chunk back).
+        history = max((module.conv.weight.shape[-1] - 1 for module in model.modules()
+                       if hasattr(module, "recurrence_fn") and hasattr(module, "conv")), default=0)
+        chunk = seq_len // (2 * p.context_parallel_degree)
+        if chunk < history:
+            return [("training.seq_len", f"splits into chunks of {chunk} tokens for context_parallel_degree "
+                                         f"= {p.context_parallel_degree} (2 per rank), fewer than the {history} "
+                                         f"tokens the linear-attention conv reads back; use seq_len >= "
+                                         f"{2 * p.context_parallel_degree * history}")], spec, args
     return [], spec, args
