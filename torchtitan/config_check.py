@@ -70,6 +70,7 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     _check_data(c)
     _check_converters(c)
     _check_checkpoint(c, world_size)
+    _check_fault_tolerance(c)
     _check_unsupported(c)
 
 
@@ -122,6 +123,11 @@ def _check_optimizer(c: _Checker) -> None:
                                               and o.implementation != default.implementation),
               f"chooses PyTorch's AdamW kernels; optimizer.name = {o.name!r} compiles torchao's own step and would "
               "ignore it (leave it out)")
+    for name in ("beta1", "beta2", "eps"):
+        key = f"optimizer.{name}"
+        c.require(key, o.name != "SGD" or key not in c.sources or getattr(o, name) == getattr(default, name),
+                  "is read by the Adam family and Muon's AdamW group; optimizer.name = 'SGD' would ignore it (leave "
+                  "it out)")
     for f in (f for f in dataclasses.fields(o) if f.name.startswith("muon_")):
         key = f"optimizer.{f.name}"
         changed = key in c.sources and getattr(o, f.name) != getattr(default, f.name)
@@ -247,6 +253,14 @@ def _check_checkpoint(c: _Checker, world_size: int) -> None:
     c.require("job.dump_folder", not is_url(c.cfg.job.dump_folder), "is a URL, but metrics, TensorBoard, traces "
               "and the config copy are written to local files; keep it local and set checkpoint.folder to a URL "
               "to keep checkpoints in remote storage")
+
+
+def _check_fault_tolerance(c: _Checker) -> None:
+    from torchtitan.components.fault_tolerance import config_problems
+
+    cfg = c.cfg
+    c.report("fault_tolerance", config_problems(cfg.fault_tolerance, cfg.optimizer.name, cfg.training.guard.enable,
+                                                cfg.checkpoint.interval, cfg.checkpoint.enable))
 
 
 def _check_unsupported(c: _Checker) -> None:

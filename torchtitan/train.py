@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.components.expert_load import ExpertLoadBalancer
+from torchtitan.components.fault_tolerance import ReplicaGroups, data_coordinates, replica_folder
 from torchtitan.components.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
@@ -133,8 +134,10 @@ class Trainer:
         self.lr_scheduler = (spec.build_lr_scheduler_fn or build_lr_scheduler)(self.optimizer, cfg.lr_scheduler,
                                                                               training.steps)
 
-        # Data: each data-parallel rank reads its share of one global stream.
-        dp_rank, dp_degree = self.parallel_dims.dp_coordinates()
+        # Data: each data-parallel rank reads its share of one global stream (with fault tolerance, a stream over
+        # all replica groups, each reading its own rows).
+        ft = cfg.fault_tolerance
+        dp_rank, dp_degree = data_coordinates(ft, *self.parallel_dims.dp_coordinates())
         global_batch = self.parallel_dims.global_batch_size(training)
         self.grad_accum_steps = self.parallel_dims.grad_accum_steps(training)
         self.dataloader = spec.build_dataloader_fn(
@@ -154,7 +157,7 @@ class Trainer:
             chat=training.chat,
             shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
             mixture=cfg.data,
-            global_batch_size=global_batch,
+            global_batch_size=global_batch * (ft.group_size if ft.enable else 1),
         )
         self.expert_loads = None
         if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
@@ -165,6 +168,7 @@ class Trainer:
                 cfg.moe, self.model_parts, self.model_args, self.parallel_dims, global_sequences=global_batch,
                 local_tokens=sequences * training.seq_len // self.parallel_dims.cp,
                 compute_dtype=compute_dtype(training), device=self.device,
+                across_groups=lambda counts: self.replicas.sum(counts),
             )
         self.loss_mesh = self.parallel_dims.submesh("dp_cp")
         # Tokens one device accounts for per step: TP and CP ranks share their replica's tokens.
@@ -197,6 +201,11 @@ class Trainer:
             tokenizer=self.tokenizer, hf_assets_path=cfg.model.hf_assets_path,
             pp_mesh=self.parallel_dims.submesh("pp"),
         )
+        # The other replica groups (fault_tolerance): live state for a group that rejoins, sums across groups.
+        self.replicas = ReplicaGroups(ft, self.device, {k: v for k, v in self.checkpointer.states.items()
+                                                        if k != "base"}, self.model_parts, self.optimizer)
+        if ft.enable:
+            self.checkpointer.states["fault_tolerance"] = self.replicas
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.create_seed_checkpoint()  # step-0 from the initial weights; main() then exits
         else:
@@ -205,8 +214,10 @@ class Trainer:
             logger.warning("fine-tuning on chat data from freshly initialised weights: no checkpoint was resumed and "
                            "checkpoint.initial_load_path is unset (give the pretrained checkpoint to start from)")
         self.preemption = PreemptionWatcher(self.device)
-        logger.info(f"global batch {global_batch} sequences = local {training.local_batch_size} x "
-                    f"dp {dp_degree} x accumulation {self.grad_accum_steps}; {training.steps} steps")
+        groups = f" x {ft.group_size} replica groups" if ft.enable else ""
+        logger.info(f"global batch {global_batch * (ft.group_size if ft.enable else 1)} sequences = local "
+                    f"{training.local_batch_size} x dp {self.parallel_dims.dp}{groups} x accumulation "
+                    f"{self.grad_accum_steps}; {training.steps} steps")
 
     def _hf_adapter(self, spec):
         """The family's Hugging Face adapter for exports, told whether to drop a MoE routing bias; None if none."""
@@ -233,16 +244,20 @@ class Trainer:
         # Each loss term is normalised by its valid targets in the whole step on all ranks, known up front;
         # at least 1, so a step whose targets are all ignored contributes zero, not NaN.
         local_counts = sum(self.objective.count(targets) for _, _, targets in prepared)
-        global_counts = sum_over(local_counts, self.loss_mesh).clamp(min=1)
+        global_counts = self.replicas.sum(sum_over(local_counts, self.loss_mesh)).clamp(min=1)
         parts = sum(self.runner.forward_backward(tokens, inputs, targets, global_counts,
                                                  last_microbatch=index == len(prepared) - 1)
                     for index, (tokens, inputs, targets) in enumerate(prepared))
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
-        grad_norm = global_grad_norm(params, pp_mesh, counted_elsewhere=self.runner.finish_gradients())
+        counted_elsewhere = self.runner.finish_gradients()
+        self.replicas.sum_gradients(params)
+        grad_norm = global_grad_norm(params, pp_mesh, counted_elsewhere=counted_elsewhere)
         # Only the ranks holding the last stage have a loss; the others add zero.
-        loss, *extra = sum_over(sum_over(parts, pp_mesh), self.loss_mesh)
+        loss, *extra = self.replicas.sum(sum_over(sum_over(parts, pp_mesh), self.loss_mesh))
         self.step_metrics = dict(zip(self.objective.metric_names, extra))
+        if not self.replicas.should_commit():  # a replica group failed mid-step: nothing changes
+            return loss, grad_norm
         if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
@@ -318,15 +333,22 @@ class Trainer:
         profiler = Profiler(self.cfg.profiling, self.cfg.job.dump_folder, self.rank, self.device)
         gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
         try:
-            for step in range(self.step + 1, cfg.steps + 1):
-                if step % cfg.gc_freq == 0:
+            while self.step < cfg.steps:
+                if self.replicas.begin_step():  # took a peer group's live state: read on from its data position
+                    self.data_iterator = iter(self.dataloader)
+                if (self.step + 1) % cfg.gc_freq == 0:
                     gc.collect(1)
                 lr = float(self.lr_scheduler.get_last_lr()[0])  # a tensor for torchao's optimizers
                 data_start = time.perf_counter()
                 microbatches = [next(self.data_iterator) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - data_start
                 loss, grad_norm = self.train_step(microbatches)
-                self.train_state.step = step
+                if not self.replicas.committed:
+                    logger.warning(f"step {self.step + 1} not committed (a replica group failed during it): its "
+                                   "batch is dropped and the step redone by the groups still training")
+                    continue
+                # After the step: a DiLoCo synchronisation inside it may have brought a peer's progress.
+                step = self.train_state.step = self.step + 1
                 self.train_state.tokens_seen += round(self.tokens_per_device * self.parallel_dims.world_size)
                 profiler.step(step)
                 self.metrics.record_step(step, self.tokens_per_device, data_seconds)
@@ -360,6 +382,7 @@ class Trainer:
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
             extra.update(self.guard.metrics())
+            extra.update(self.replicas.metrics(step))
             extra.update({name: value.item() for name, value in self.step_metrics.items()})
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
             data_metrics = getattr(self.dataloader, "metrics", dict)()
@@ -369,6 +392,7 @@ class Trainer:
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
 
     def close(self) -> None:
+        self.replicas.close()
         self.preemption.close()
         self.checkpointer.close()
         self.metrics.close()
@@ -395,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Each replica group of a fault-tolerant run writes its own metrics, config copy and checkpoints.
+    cfg.job.dump_folder = replica_folder(cfg.job.dump_folder, cfg.fault_tolerance)
     rank = int(os.environ.get("RANK", "0")) if device_lib.launched_distributed() else 0
     init_logger(rank, all_ranks=cfg.metrics.save_for_all_ranks)
     if rank == 0:

@@ -175,7 +175,7 @@ BAD_FILES = {
     "unknown_key": ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),
     "wrong_type": ('[training]\nsteps = "ten"\n', "training.steps = 'ten' is invalid; expected an integer"),
     "bad_toml": ("[training\nsteps = 3\n", "not valid TOML"),
-    "bad_choice": ('[optimizer]\nname = "SGD"\n', "optimizer.name = 'SGD' is invalid; expected one of AdamW|Adam"),
+    "bad_choice": ('[optimizer]\nname = "Lion"\n', "optimizer.name = 'Lion' is invalid; expected one of AdamW|Adam"),
     "top_level_key": ("steps = 3\n", "top-level key 'steps' must be a [section]"),
 }
 

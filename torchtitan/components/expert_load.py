@@ -252,9 +252,11 @@ class ExpertLoadBalancer:
 
     def __init__(self, cfg: MoEConfig, model_parts: list[nn.Module], model_args: DecoderArgs,
                  parallel_dims: ParallelDims, global_sequences: int, local_tokens: int, compute_dtype: torch.dtype,
-                 device: torch.device):
-        """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums)."""
+                 device: torch.device, across_groups=lambda counts: counts):
+        """Every rank builds one (pipeline ranks without MoE layers too: they take part in the sums).
+        ``across_groups`` sums the loads over the replica groups of a fault-tolerant run, so their biases agree."""
         self.cfg = cfg
+        self.across_groups = across_groups
         self.layers = moe_layers(model_parts)
         # Multi-token prediction blocks follow the main ones (layer ids n_layers, ...).
         self.n_layers = model_args.n_layers + model_args.mtp_depth
@@ -290,7 +292,7 @@ class ExpertLoadBalancer:
         for layer_id, moe in self.layers:
             counts[layer_id], aux_loss = moe.take_stats()
             self.aux_loss += aux_loss.to(self.device)
-        self.counts = sum_now(counts, self.data_mesh)
+        self.counts = self.across_groups(sum_now(counts, self.data_mesh))
         if self.cfg.bias_update_rate > 0:
             for layer_id, moe in self.layers:
                 load = self.counts[layer_id].float()

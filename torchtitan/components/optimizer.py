@@ -39,6 +39,10 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
         return MuonWithAdamW([], params, cfg, KERNEL_FLAGS[cfg.implementation], ns_dtype=torch.float32,
                              state_dtype=state_dtype)
     impl = KERNEL_FLAGS[cfg.implementation]
+    if cfg.name == "SGD":  # stateless: e.g. to check an algorithm against its definition (DiLoCo with H = 1)
+        # DTensor has no sharding rule for the fused SGD kernel: "fused" runs the foreach one.
+        impl = KERNEL_FLAGS["foreach" if cfg.implementation == "fused" else cfg.implementation]
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **impl)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
     return cls(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
@@ -52,6 +56,8 @@ def state_bytes(cfg: OptimizerConfig, param_dtype: str, local_elements: float, m
     itemsize = DTYPES[param_dtype if cfg.state_dtype == "float32" else cfg.state_dtype].itemsize
     if cfg.name == "Muon" and muon:
         return local_elements * itemsize
+    if cfg.name == "SGD":
+        return 0
     if cfg.name == "AdamW8bit":
         from torchtitan.components.adamw_8bit import moment_bytes
 

@@ -67,9 +67,9 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam", "Muon", "AdamW8bit"] = option(
+    name: Literal["AdamW", "Adam", "Muon", "AdamW8bit", "SGD"] = option(
         "AdamW", "Optimizer; Muon updates the hidden matrices and AdamW (these betas, eps) the other parameters; "
-        "AdamW8bit keeps AdamW's moments in 8 bits (torchao)")
+        "AdamW8bit keeps AdamW's moments in 8 bits (torchao); SGD: plain gradient descent (no momentum)")
     lr: float = option(8e-4, "Peak learning rate")
     beta1: float = option(0.9, "Adam beta1")
     beta2: float = option(0.95, "Adam beta2")
@@ -320,6 +320,34 @@ class Validation:
 
 
 @dataclass
+class SemiSync:
+    method: Literal["none", "diloco"] = option(
+        "none", "none: the groups average their gradients every step; diloco: each group takes sync_every steps of "
+        "its own optimizer, then the groups average their weight changes and take one outer step (DiLoCo)")
+    sync_every: int = option(20, "DiLoCo: inner steps between synchronisations (H)")
+    outer_lr: float = option(0.7, "DiLoCo: learning rate of the outer SGD on the averaged weight change")
+    outer_momentum: float = option(0.9, "DiLoCo: Nesterov momentum of the outer SGD (0: plain SGD)")
+    fragments: int = option(
+        1, "DiLoCo: parts of the model (runs of consecutive blocks) synchronised in turn, each every sync_every steps "
+        "(Streaming DiLoCo); sync_every must be a multiple")
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = option(
+        False, "Train as one of several replica groups that fail and rejoin without stopping the others (torchft); "
+        "the lighthouse's address comes from $TORCHFT_LIGHTHOUSE")
+    replica_id: int = option(0, "This replica group's index, 0 .. group_size - 1")
+    group_size: int = option(1, "Number of replica groups (each an ordinary job of this config's layout)")
+    min_replica_size: int = option(1, "Fewest replica groups that may take a step together")
+    timeout_seconds: float = option(
+        60, "Collectives across groups, and fetching a peer's live state, fail after this long")
+    quorum_timeout_seconds: float = option(
+        300, "How long a step waits for the groups to agree who takes part (a relaunched group's start-up included)")
+    semi_sync: SemiSync = section(SemiSync, "Synchronising the groups less often than every step (DiLoCo)")
+
+
+@dataclass
 class Debug:
     seed: int = option(0, "Seed for weight initialisation and everything random")
     deterministic: bool = option(False, "Use deterministic algorithms (slower)")
@@ -348,6 +376,7 @@ class JobConfig:
     quantize: Quantize = section(Quantize, "Quantized training")
     lora: LoRA = section(LoRA, "Low-rank adapters (model.converters = [\"lora\"])")
     comm: Comm = section(Comm, "Collective communication")
+    fault_tolerance: FaultTolerance = section(FaultTolerance, "Replica groups that fail and rejoin mid-run (torchft)")
     validation: Validation = section(Validation, "Validation")
     debug: Debug = section(Debug, "Reproducibility")
     experimental: Experimental = section(Experimental, "Experimental extensions")

@@ -1,0 +1,317 @@
+"""Replica groups that fail and rejoin mid-run ([fault_tolerance]), through PyTorch's torchft.
+
+A run is ``group_size`` replica groups, each an ordinary job of the config's layout (FSDP, TP, PP, CP inside
+it), launched and relaunched on its own. Before every step torchft's lighthouse ($TORCHFT_LIGHTHOUSE) settles
+which groups take part (the quorum), and torchft rebuilds the process group that joins the same rank of every
+group in it. A group that dies makes the others' step fail to commit; they drop that step's batch and go on
+without it, while nobody reads a checkpoint.
+
+What a step counts (semi_sync.method = "none"): the groups in the quorum sum their gradients, their target
+counts and their losses, so the loss is the mean over the tokens of the groups that took part and the update is
+its gradient: with every group present exactly the job of group_size x the layout (HSDP across groups); with
+one missing, a smaller global batch (``ft/groups`` in the metrics says how many took part). Throughput, MFU and
+tokens_seen stay this group's own.
+
+Live recovery: a group that joins behind the others (relaunched, or started late) receives, each of its ranks
+from the same rank of a group in the quorum, what a checkpoint holds (weights, optimizer state, schedule, data
+position, progress, the guard) over the groups' process group (torchft's PGTransport) before its first step, then trains in lock-step.
+The data position is a count of rounds the same on every rank, and each group reads its own rows of every
+round (data rank = replica_id x the group's data-parallel degree + its own), so the groups' data stays disjoint.
+
+DiLoCo (semi_sync.method = "diloco", torchft.local_sgd.DiLoCo): each group takes ``sync_every`` steps of the
+trainer's optimizer alone, then the groups average their weight change since the last synchronisation and an
+outer SGD with Nesterov momentum applies it; with ``fragments`` > 1, runs of consecutive blocks take turns
+(Streaming DiLoCo). The loss logged is this group's. A group that rejoins heals at the next synchronisation.
+
+Everything sent to other groups goes through the manager's allreduce, which counts it (``ft/sent_bytes_per_step``:
+the tensors this group contributes per step, summed over its ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
+from torchtitan.log import logger
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enabled: bool,
+                    checkpoint_interval: int, checkpoint_enabled: bool) -> list[tuple[str, str]]:
+    """Problems with the [fault_tolerance] section as (field, reason) pairs."""
+    sync = cfg.semi_sync
+    changed = [f"fault_tolerance.{f.name}" for f in dataclasses.fields(cfg)
+               if f.name not in ("enable", "semi_sync") and getattr(cfg, f.name) != f.default]
+    changed_sync = [f"fault_tolerance.semi_sync.{f.name}" for f in dataclasses.fields(sync)
+                    if getattr(sync, f.name) != f.default]
+    if not cfg.enable:
+        if changed or changed_sync:
+            return [("enable", f"but {(changed + changed_sync)[0]} is set; enable fault tolerance or leave the "
+                               "[fault_tolerance] settings out")]
+        return []
+    if importlib.util.find_spec("torchft") is None:
+        return [("enable", "needs torchft (pip install torchft, or this package's [ft] extra)")]
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        return [("enable", f"needs the lighthouse's address in ${LIGHTHOUSE_ENV} (e.g. http://localhost:29510 "
+                           "after `torchft_lighthouse --min_replicas 1`; docs/fault_tolerance.md)")]
+    problems = []
+    if cfg.group_size < 1:
+        problems.append(("group_size", "is invalid; it must be >= 1"))
+    if not 0 <= cfg.replica_id < max(cfg.group_size, 1):
+        problems.append(("replica_id", f"is invalid; it must be in [0, group_size = {cfg.group_size})"))
+    if not 1 <= cfg.min_replica_size <= max(cfg.group_size, 1):
+        problems.append(("min_replica_size", f"is invalid; it must be in [1, group_size = {cfg.group_size}]"))
+    for name in ("timeout_seconds", "quorum_timeout_seconds"):
+        if not getattr(cfg, name) > 0:
+            problems.append((name, "is invalid; it must be > 0"))
+    if optimizer_name == "AdamW8bit":
+        problems.append(("enable", "cannot send AdamW8bit's 8-bit optimizer state to a recovering group; use "
+                                   "optimizer.name = 'AdamW' or 'Muon'"))
+    if sync.method == "none":
+        if changed_sync and changed_sync[0] != "fault_tolerance.semi_sync.method":
+            problems.append(("semi_sync.method", f"synchronises every step and ignores {changed_sync[0]}; set "
+                                                 "method = 'diloco' or leave it out"))
+        return problems
+    if sync.sync_every < 1:
+        problems.append(("semi_sync.sync_every", "is invalid; it must be >= 1"))
+    if not sync.outer_lr > 0:
+        problems.append(("semi_sync.outer_lr", "is invalid; it must be > 0"))
+    if not 0 <= sync.outer_momentum < 1:
+        problems.append(("semi_sync.outer_momentum", "is invalid; it must be in [0, 1)"))
+    if sync.fragments < 1 or sync.sync_every % max(sync.fragments, 1):
+        problems.append(("semi_sync.fragments", f"is invalid; it must be >= 1 and divide semi_sync.sync_every = "
+                                                f"{sync.sync_every}"))
+    if guard_enabled:
+        problems.append(("semi_sync.method", "counts each group's optimizer steps to know when to synchronise, "
+                                             "and the bad-step guard skips them per group; turn "
+                                             "training.guard.enable off"))
+    if checkpoint_enabled and checkpoint_interval % max(sync.sync_every, 1):
+        problems.append(("semi_sync.sync_every", f"must divide checkpoint.interval = {checkpoint_interval}: a "
+                                                 "checkpoint between synchronisations would lose the groups' "
+                                                 "common weights"))
+    return problems
+
+
+def replica_folder(dump_folder: str, cfg: FaultToleranceConfig) -> str:
+    """Each group's own outputs (metrics, config copy, checkpoints) under the shared job.dump_folder."""
+    return os.path.join(dump_folder, f"replica_{cfg.replica_id}") if cfg.enable else dump_folder
+
+
+def data_coordinates(cfg: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(data rank, data-parallel degree) over all groups: each group reads its own rows of every round."""
+    if not cfg.enable:
+        return dp_rank, dp_degree
+    return cfg.replica_id * dp_degree + dp_rank, cfg.group_size * dp_degree
+
+
+class ReplicaGroups(Stateful):
+    """This group's place among the replica groups; with fault tolerance off, the only group (every method is
+    then the identity or a constant). Checkpoints itself (key ``fault_tolerance``): torchft's step count."""
+
+    def __init__(self, cfg: FaultToleranceConfig, device: torch.device, live_state: dict[str, Stateful],
+                 model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        self.cfg, self.enabled, self.device = cfg, cfg.enable, device
+        self.diloco = None
+        self._groups = None  # groups in the last quorum
+        self.committed = True  # whether the last step's update was applied
+        self._received = False  # a peer's live state was loaded since begin_step last looked
+        self._sent, self._sent_logged, self._step_logged = 0, 0, 0
+        if not self.enabled:
+            return
+        # torchft's Rust side logs every quorum at INFO: one line per step beside ours. RUST_LOG=info shows them.
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        logging.getLogger("torchft.manager").addFilter(
+            lambda record: "flight recorder" not in record.getMessage())  # NCCL's, warned at every new quorum
+
+        self.live_state = live_state
+        # The DTensor layout of every parameter by name: received shards become DTensors like this group's.
+        self._layouts = {name: p for part in model_parts for name, p in _named_tensors(part)}
+        timeout = timedelta(seconds=cfg.timeout_seconds)
+        group_rank, group_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self._store = None
+        store = {}
+        if "MASTER_ADDR" not in os.environ:  # one process without torchrun: the manager needs a store to meet at
+            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store = {"store_addr": "localhost", "store_port": self._store.port}
+        groups = self
+
+        class CountingManager(Manager):
+            def allreduce(self, tensor, *args, **kwargs):
+                groups._sent += tensor.numel() * tensor.element_size()
+                return super().allreduce(tensor, *args, **kwargs)
+
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+        self.manager = CountingManager(
+            pg=pg, checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
+            load_state_dict=self._receive, state_dict=self._send, min_replica_size=cfg.min_replica_size,
+            # Synchronous: a group that heals loads the live state before its forward, so it takes part at once.
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+            rank=group_rank, world_size=group_size, replica_id=f"torchtitan_replica_{cfg.replica_id}",
+            init_sync=False,  # every group initialises the same weights from debug.seed
+            **store,
+        )
+        if cfg.semi_sync.method == "diloco":
+            self.diloco = _build_diloco(self.manager, cfg.semi_sync, model_parts, optimizer, device)
+        logger.info(f"fault tolerance: replica group {cfg.replica_id} of {cfg.group_size}, lighthouse "
+                    f"{os.environ[LIGHTHOUSE_ENV]}, synchronising "
+                    + ("every step" if self.diloco is None else
+                       f"by DiLoCo every {cfg.semi_sync.sync_every} steps in {cfg.semi_sync.fragments} fragment(s)"))
+
+    @property
+    def every_step(self) -> bool:
+        return self.enabled and self.diloco is None
+
+    def begin_step(self) -> bool:
+        """Agree on this step's groups (every-step mode); True when this group has just taken a peer's live state
+        (here, or at the previous step's DiLoCo synchronisation): the data iterator must then be made anew."""
+        if self.every_step:
+            self.manager.start_quorum()
+            if self.manager.num_participants() != self._groups:
+                self._groups = self.manager.num_participants()
+                logger.info(f"replica groups taking part: {self._groups} of {self.cfg.group_size} (the loss and "
+                            "the update are over their tokens)")
+        received, self._received = self._received, False
+        return received
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the groups of this step (every-step mode)."""
+        if not self.every_step:
+            return tensor
+        tensor = tensor.detach().clone()  # also waits for a functional collective's result
+        self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        return tensor
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum this rank's gradient shards with the same rank's of the other groups, one flat buffer per dtype."""
+        if not self.every_step:
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def should_commit(self) -> bool:
+        """Whether every group of the quorum finished this step's exchanges; if not, nothing may change."""
+        self.committed = self.manager.should_commit() if self.every_step else True
+        return self.committed
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """Groups in the last quorum and this group's bytes sent to other groups per step since the last call (a
+        sum over the group's ranks: every rank must call it)."""
+        if not self.enabled:
+            return {}
+        sent = torch.tensor([float(self._sent - self._sent_logged)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(sent)
+        steps = max(step - self._step_logged, 1)
+        self._sent_logged, self._step_logged = self._sent, step
+        return {"ft/groups": self.manager.num_participants(), "ft/sent_bytes_per_step": sent.item() / steps}
+
+    def close(self) -> None:
+        if self.enabled:
+            self.manager.shutdown(wait=False)
+
+    # ----- live recovery: this rank's part of every live state, DTensors as their local shards -----
+
+    def _send(self) -> dict:
+        return {name: _to_local(state.state_dict()) for name, state in self.live_state.items()}
+
+    def _receive(self, received: dict) -> None:
+        for name, state in self.live_state.items():
+            local, dtensors = received[name]
+            state.load_state_dict({key: self._as_dtensor(key, value) if key in dtensors else value
+                                   for key, value in local.items()})
+        self._received = True
+        logger.info(f"took the live state of a peer group: step {self.live_state['train_state'].step}")
+
+    def _as_dtensor(self, key: str, local: torch.Tensor) -> DTensor:
+        # A weight's own name, or an optimizer entry "state.<weight>.<kind>", which is laid out like its weight.
+        like = self._layouts[key if key in self._layouts else key.split(".", 1)[1].rsplit(".", 1)[0]]
+        return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+    # ----- its own checkpoint entry: torchft's count of committed steps -----
+
+    def state_dict(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"manager": torch.tensor([self.manager.current_step(), self.manager.batches_committed()])}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.enabled and "manager" in state:
+            step, batches = (int(x) for x in state["manager"].tolist())
+            self.manager.load_state_dict({"step": step, "batches_committed": batches})
+
+
+def _named_tensors(part: nn.Module):
+    from torchtitan.models.seeded_init import canonical_name
+
+    for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+        if isinstance(tensor, DTensor):
+            yield canonical_name(name), tensor
+
+
+def _to_local(state: dict) -> tuple[dict, list[str]]:
+    local = {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
+    return local, [key for key, value in state.items() if isinstance(value, DTensor)]
+
+
+def _build_diloco(manager, cfg, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                  device: torch.device):
+    from torchft.local_sgd import DiLoCo
+
+    fragments = model_fragments(model_parts, cfg.fragments)
+    outer = [torch.optim.SGD([p for p in fragment.parameters() if p.requires_grad], lr=cfg.outer_lr,
+                             momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0) for fragment in fragments]
+    diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=cfg.sync_every,
+                    pin_memory=device.type == "cuda")
+    diloco.__enter__()  # hooks the inner optimizer's step; they live as long as the run
+    return diloco
+
+
+def model_fragments(model_parts: list[nn.Module], n: int) -> list[nn.Module]:
+    """``n`` runs of consecutive top-level modules (each block one module) of about equal parameter counts."""
+    units = []
+    for part in model_parts:
+        for child in part.children():
+            units += list(child.values() if isinstance(child, nn.ModuleDict) else child) \
+                if isinstance(child, (nn.ModuleDict, nn.ModuleList)) else [child]
+    sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
+    total, fragments, current, filled = sum(sizes), [], [], 0
+    for unit, size in zip(units, sizes):
+        current.append(unit)
+        filled += size
+        if filled >= total * (len(fragments) + 1) / n and len(fragments) < n - 1:
+            fragments.append(nn.ModuleList(current))
+            current = []
+    fragments.append(nn.ModuleList(current))
+    if len(fragments) != n or not all(len(f) for f in fragments):
+        raise ValueError(f"fault_tolerance.semi_sync.fragments = {n}: the model has {len(units)} top-level modules "
+                         "to split, too few for that many fragments")
+    seen = set()
+    for fragment in fragments:
+        ids = {id(p) for p in fragment.parameters()}
+        if ids & seen:
+            raise ValueError(f"fault_tolerance.semi_sync.fragments = {n}: a weight is shared between fragments "
+                             "(tied embeddings); use 1 fragment")
+        seen |= ids
+    return fragments
