@@ -256,9 +256,8 @@ class Trainer:
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss, *extra = self.replicas.sum(sum_over(sum_over(parts, pp_mesh), self.loss_mesh))
         self.step_metrics = dict(zip(self.objective.metric_names, extra))
-        if not self.replicas.should_commit():  # a replica group failed mid-step: nothing changes
-            return loss, grad_norm
-        if self.guard.cfg.enable and self._guard_skips(loss, grad_norm):
+        committed = self.replicas.should_commit()  # False: a replica group failed mid-step, which is redone
+        if not committed or (self.guard.cfg.enable and self._guard_skips(loss, grad_norm)):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
         else:
@@ -266,7 +265,8 @@ class Trainer:
             self.converters.post_optimizer_hook(self.model_parts)
             if self.expert_loads is not None:
                 self.expert_loads.after_step()
-        self.lr_scheduler.step()  # a skipped step still counts for the schedule
+        if committed:
+            self.lr_scheduler.step()  # a step the guard skipped still counts for the schedule
         return loss, grad_norm
 
     def _guard_skips(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:

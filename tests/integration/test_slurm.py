@@ -76,9 +76,9 @@ def cluster():
         subprocess.run(["bash", str(LOCAL_SLURM), "down"], capture_output=True, timeout=120)
 
 
-def submit(tmp_path: Path, *args: str) -> str:
+def submit(tmp_path: Path, *args: str, env: dict | None = None) -> str:
     env = {**os.environ, "CONFIG_FILE": "train_configs/debug_model.toml",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
     out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", "multinode_trainer.slurm",
                           *FLAGS, f"--job.dump_folder={tmp_path}", *args],
                          cwd=REPO, env=env, capture_output=True, text=True, check=True)
@@ -138,3 +138,48 @@ def test_two_node_training_preemption_then_resume(cluster, tmp_path, signal_name
     log = log_of(tmp_path, resumed)
     assert f"resumed from step {stopped}" in log, log[-3000:]
     assert f"training finished after {stopped + 3} steps" in log
+
+
+def test_fault_tolerant_groups_one_per_node_finish_after_one_is_killed(cluster, tmp_path):
+    """[fault_tolerance] under Slurm (FT_GROUP_NODES=1: one replica group per node, the lighthouse on the first):
+    group 1's trainer is SIGKILLed mid-run; the script relaunches the group, it rejoins from group 0's live state,
+    the job finishes every step, and both groups end with the same weights."""
+    if cluster:
+        pytest.fail(cluster, pytrace=False)
+    steps = 150
+    # One thread per trainer: the two "nodes" share this machine's cores, and oversubscribed they stall each other
+    # for seconds inside the cross-group all-reduce.
+    job = submit(tmp_path, "--training.steps", str(steps), "--checkpoint.interval", str(steps),
+                 env={"FT_GROUP_NODES": "1", "FT_LIGHTHOUSE_PORT": str(29700 + os.getpid() % 200),
+                      "OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "replica_1" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        assert running(job) and time.time() < deadline, log_of(tmp_path, job)[-3000:]
+        time.sleep(0.5)
+    # The trainer processes of group 1 (not torchrun, not srun): what a crashed node's training leaves behind.
+    workers = subprocess.run(["pgrep", "-f", "-a", "torchtitan.train"], capture_output=True, text=True).stdout
+    victims = [line.split()[0] for line in workers.splitlines()
+               if "replica_id 1" in line and str(tmp_path) in line and "torchrun" not in line
+               and "torch.distributed.run" not in line and "bash -c" not in line]
+    assert victims, workers
+    subprocess.run(["kill", "-9", *victims], check=True)
+    wait_for(job, timeout=900)
+    log = log_of(tmp_path, job)
+    assert "fault tolerance: 2 replica groups of 1 node(s)" in log, log[-3000:]
+    assert "replica group 1 exited" in log and "relaunching it" in log, log[-3000:]
+    for replica in (0, 1):
+        rows = [json.loads(line) for line in (tmp_path / f"replica_{replica}" / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == steps, (replica, rows[-1])
+    assert "took the live state of a peer group" in log
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    final = []
+    for replica in (0, 1):
+        out = tmp_path / f"final-{replica}.pt"
+        dcp_to_torch_save(tmp_path / f"replica_{replica}" / "checkpoint" / f"step-{steps}", out)
+        final.append(torch.load(out, weights_only=False)["model"])
+    assert final[0].keys() == final[1].keys() and final[0]
+    for name, tensor in final[0].items():
+        assert torch.equal(tensor, final[1][name]), name
