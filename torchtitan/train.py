@@ -49,6 +49,7 @@ from torchtitan.models.document_masking import DocumentMasking
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+from torchtitan.remote import is_url
 
 
 class TrainingError(Exception):
@@ -137,7 +138,8 @@ class Trainer:
         # Data: each data-parallel rank reads its share of one global stream (with fault tolerance, a stream over
         # all replica groups, each reading its own rows).
         ft = cfg.fault_tolerance
-        dp_rank, dp_degree = data_coordinates(ft, *self.parallel_dims.dp_coordinates())
+        group_dp_rank, group_dp_degree = self.parallel_dims.dp_coordinates()
+        dp_rank, dp_degree = data_coordinates(ft, group_dp_rank, group_dp_degree)
         global_batch = self.parallel_dims.global_batch_size(training)
         self.grad_accum_steps = self.parallel_dims.grad_accum_steps(training)
         self.dataloader = spec.build_dataloader_fn(
@@ -176,8 +178,9 @@ class Trainer:
         self.validator = None
         if cfg.validation.enable:
             self.validator = Validator(
-                cfg.validation, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_degree, loss_fn=self.loss_fn,
-                device=self.device, dp_mesh=self.loss_mesh, autocast=self.autocast,
+                # Every replica group validates on the whole split.
+                cfg.validation, self.tokenizer, dp_rank=group_dp_rank, dp_world_size=group_dp_degree,
+                loss_fn=self.loss_fn, device=self.device, dp_mesh=self.loss_mesh, autocast=self.autocast,
                 batch_loss=self._validation_batch_loss, chat=training.chat,
             )
 
@@ -256,6 +259,8 @@ class Trainer:
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss, *extra = self.replicas.sum(sum_over(sum_over(parts, pp_mesh), self.loss_mesh))
         self.step_metrics = dict(zip(self.objective.metric_names, extra))
+        if self.expert_loads is not None:
+            self.expert_loads.collect()
         committed = self.replicas.should_commit()  # False: a replica group failed mid-step, which is redone
         if not committed or (self.guard.cfg.enable and self._guard_skips(loss, grad_norm)):
             if self.expert_loads is not None:
@@ -346,6 +351,9 @@ class Trainer:
                 if not self.replicas.committed:
                     logger.warning(f"step {self.step + 1} not committed (a replica group failed during it): its "
                                    "batch is dropped and the step redone by the groups still training")
+                    if self.preemption.should_stop():
+                        self._stop_for_preemption(self.step, saved=self.step == 0)  # step-0 is a seed's name
+                        return
                     continue
                 # After the step: a DiLoCo synchronisation inside it may have brought a peer's progress.
                 step = self.train_state.step = self.step + 1
@@ -421,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Each replica group of a fault-tolerant run writes its own metrics, config copy and checkpoints.
     cfg.job.dump_folder = replica_folder(cfg.job.dump_folder, cfg.fault_tolerance)
+    if is_url(cfg.checkpoint.folder) or os.path.isabs(cfg.checkpoint.folder):  # else under the dump folder
+        cfg.checkpoint.folder = replica_folder(cfg.checkpoint.folder, cfg.fault_tolerance)
     rank = int(os.environ.get("RANK", "0")) if device_lib.launched_distributed() else 0
     init_logger(rank, all_ranks=cfg.metrics.save_for_all_ranks)
     if rank == 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
 
 from tests.conftest import REPO, torchrun_command
 from tests.integration.parity import COMMON, CONFIG, rows_of
@@ -127,11 +128,12 @@ def losses(folder: Path) -> list[float]:
 
 def test_a_killed_group_rejoins_from_the_survivor_and_both_hold_the_same_weights(tmp_path):
     """Must-show 1: group 1 is SIGKILLed (every process) after step 5; group 0 trains on alone, never restarting
-    and reading no checkpoint; group 1 relaunched takes group 0's live state, and from then on both groups'
-    weight shards hash the same at every step. Then both resume from their own checkpoints on disk."""
+    and reading no checkpoint; group 1 relaunched resumes its own step-4 checkpoint, then takes group 0's live state,
+    and from then on both groups' weight shards hash the same at every step, and they read on from the same data
+    position. Then both resume from their own checkpoints on disk."""
     steps = 24
     flags = ["--training.steps", str(steps), "--training.local_batch_size", "2", "--checkpoint.enable",
-             "--checkpoint.interval", "8", "--comm.train_timeout_seconds", "60"]
+             "--checkpoint.interval", "4", "--comm.train_timeout_seconds", "60"]
     g0, g1 = tmp_path / "replica_0", tmp_path / "replica_1"
     with lighthouse(min_replicas=1) as env:
         env["FT_START_TOGETHER"] = str(tmp_path)
@@ -154,8 +156,8 @@ def test_a_killed_group_rejoins_from_the_survivor_and_both_hold_the_same_weights
     assert "resumed from" not in survivor_log and "took the live state" not in survivor_log
     alone = [w["step"] for w in weights(g0, 0) if w["groups"] == 1]
     assert alone and alone[0] == killed_at + 1, alone  # it went on alone right after the kill
-    # The relaunched group took the live state (not a checkpoint) and rejoined before the end.
-    assert "resumed from" not in relaunch_log
+    # The relaunched group read its own older checkpoint, then took the live state and rejoined before the end.
+    assert "resumed from step 4" in relaunch_log
     healed = [line for line in relaunch_log.splitlines() if "took the live state of a peer group: step" in line]
     assert healed, relaunch_log[-4000:]
     rejoined = int(healed[0].rsplit("step ", 1)[1])
@@ -167,6 +169,14 @@ def test_a_killed_group_rejoins_from_the_survivor_and_both_hold_the_same_weights
         for row in victim_rows:
             assert row["sha"] == survivor_sha[row["step"]], (rank, row["step"])
     assert all(w["groups"] == 2 for w in weights(g0, 0) if w["step"] > rejoined)
+    # The same data position (and everything else a checkpoint holds but the weights) at the end.
+    final = [checkpoint(folder, steps) for folder in (g0, g1)]
+    for key in ("dataloader", "lr_scheduler", "train_state", "optimizer"):
+        assert final[0][key].keys() == final[1][key].keys()
+        for name, value in final[0][key].items():
+            if name != "rng_cpu":
+                assert torch.equal(value, final[1][key][name]) if torch.is_tensor(value) else value == \
+                    final[1][key][name], (key, name)
 
     # A total failure: both groups relaunched resume from their own checkpoints and go on in lock-step.
     more = [*flags[:1], str(steps + 2), *flags[2:]]
@@ -179,6 +189,15 @@ def test_a_killed_group_rejoins_from_the_survivor_and_both_hold_the_same_weights
         tails = [weights(folder, rank)[-2:] for folder in (g0, g1)]
         assert [w["step"] for w in tails[0]] == [steps + 1, steps + 2]
         assert tails[0] == tails[1]
+
+
+def checkpoint(folder: Path, step: int) -> dict:
+    """A group's DCP checkpoint at ``step`` as one dict (rank 0's view of every entry)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder / f"step-{step}.pt"
+    dcp_to_torch_save(folder / "checkpoint" / f"step-{step}", out)
+    return torch.load(out, weights_only=False)
 
 
 def run_groups(tmp_path: Path, flags: list[str]) -> list[Path]:

@@ -192,14 +192,17 @@ def test_loads_bias_updates_and_aux_loss_reach_the_console_jsonl_and_tensorboard
                            "0.01", "--metrics.enable_tensorboard")
     moes = [block.moe for block in trainer.model_parts[0].layers.values()]
     loads, biases = [], []
-    original = trainer.expert_loads.after_step
+    collect, after_step = trainer.expert_loads.collect, trainer.expert_loads.after_step
 
-    def after_step():  # the loads each step summed, and the biases they moved
+    def collect_loads():  # the loads each step routed
         loads.append(torch.stack([m.tokens_per_expert.clone() for m in moes]))
-        original()
+        collect()
+
+    def moved_biases():  # and the biases they moved
+        after_step()
         biases.append(torch.stack([m.expert_bias.clone() for m in moes]))
 
-    trainer.expert_loads.after_step = after_step
+    trainer.expert_loads.collect, trainer.expert_loads.after_step = collect_loads, moved_biases
     with caplog.at_level(logging.INFO, logger="torchtitan"):
         trainer.train()
     trainer.close()

@@ -36,6 +36,8 @@ def check(flags: list[str], world_size: int = 1) -> None:
     ([*ON, *DILOCO, "--training.guard.enable"], "the bad-step guard skips them per group"),
     ([*ON, *DILOCO, "--checkpoint.enable", "--checkpoint.interval", "30"],
      "sync_every = 20 must divide checkpoint.interval = 30"),
+    ([*ON, *DILOCO, "--fault_tolerance.semi_sync.fragments", "2", "--checkpoint.enable"],
+     "fragments = 2 > 1 synchronises the fragments at different steps"),
 ])
 def test_settings_that_cannot_work_are_refused_in_one_line(monkeypatch, flags, message):
     for name, value in LIGHTHOUSE.items():
@@ -51,8 +53,8 @@ def test_the_lighthouse_address_is_required_and_good_settings_pass(monkeypatch):
         check(ON)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     check(ON)
-    check([*ON, "--fault_tolerance.replica_id", "1", *DILOCO, "--fault_tolerance.semi_sync.fragments", "2",
-           "--checkpoint.enable", "--checkpoint.interval", "40"])
+    check([*ON, "--fault_tolerance.replica_id", "1", *DILOCO, "--fault_tolerance.semi_sync.fragments", "2"])
+    check([*ON, *DILOCO, "--checkpoint.enable", "--checkpoint.interval", "40"])
     check(["--optimizer.name", "SGD"])
     with pytest.raises(ConfigError, match="optimizer.beta1 = 0.8 is read by the Adam family"):
         check(["--optimizer.name", "SGD", "--optimizer.beta1", "0.8"])
@@ -67,6 +69,7 @@ def test_each_group_reads_its_own_rows_and_writes_its_own_folder():
     assert seen == list(range(6))  # disjoint and complete
     assert data_coordinates(FaultTolerance(), 1, 2) == (1, 2)
     assert replica_folder("out", on) == "out/replica_1"
+    assert replica_folder("s3://bucket/ckpt/", on) == "s3://bucket/ckpt/replica_1"
     assert replica_folder("out", FaultTolerance()) == "out"
 
 

@@ -266,6 +266,7 @@ class ExpertLoadBalancer:
         moe_args = model_args.moe
         self.counts = torch.zeros(self.n_layers, moe_args.num_experts, dtype=torch.int64, device=device)
         self.aux_loss = torch.zeros((), dtype=torch.float32, device=device)  # this rank's, of the last step
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the loads collected, not yet applied
         path, why = choose_expert_path(cfg.expert_compute, moe_args.num_experts // parallel_dims.ep, model_args.dim,
                                        moe_args.hidden_dim // parallel_dims.tp, local_tokens * moe_args.top_k,
                                        compute_dtype, device)
@@ -279,20 +280,26 @@ class ExpertLoadBalancer:
         logger.info(f"MoE: {len(self.layers)} MoE layers here; routed experts compute with the {path} path ({why}); "
                     f"{balancing}; {aux}; router in {cfg.router_dtype}")
 
+    @torch.no_grad()
+    def collect(self) -> None:
+        """Take this step's loads from the layers and sum them over the data-parallel ranks (and replica groups),
+        before the step is decided: every rank of every group takes part whether the step is kept or not."""
+        counts = torch.zeros_like(self.counts)
+        aux = torch.zeros_like(self.aux_loss)
+        for layer_id, moe in self.layers:
+            counts[layer_id], aux_loss = moe.take_stats()
+            aux += aux_loss.to(self.device)
+        self._pending = self.across_groups(sum_now(counts, self.data_mesh)), aux
+
     def discard_step(self) -> None:
         """Forget the loads a skipped step routed (training.guard): its biases and counts stay as they were."""
-        for _, moe in self.layers:
-            moe.discard_stats()
+        self._pending = None
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """Sum this step's loads over the data-parallel ranks and move the routing biases (every rank alike)."""
-        counts = torch.zeros_like(self.counts)
-        self.aux_loss = torch.zeros_like(self.aux_loss)
-        for layer_id, moe in self.layers:
-            counts[layer_id], aux_loss = moe.take_stats()
-            self.aux_loss += aux_loss.to(self.device)
-        self.counts = self.across_groups(sum_now(counts, self.data_mesh))
+        """Move the routing biases by the loads ``collect`` summed (every rank alike)."""
+        self.counts, self.aux_loss = self._pending
+        self._pending = None
         if self.cfg.bias_update_rate > 0:
             for layer_id, moe in self.layers:
                 load = self.counts[layer_id].float()

@@ -96,6 +96,10 @@ def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enable
         problems.append(("semi_sync.method", "counts each group's optimizer steps to know when to synchronise, "
                                              "and the bad-step guard skips them per group; turn "
                                              "training.guard.enable off"))
+    if checkpoint_enabled and sync.fragments > 1:
+        problems.append(("semi_sync.fragments", "> 1 synchronises the fragments at different steps, so no step's "
+                                                "checkpoint holds weights the groups agree on; use 1 fragment with "
+                                                "checkpoint.enable"))
     if checkpoint_enabled and checkpoint_interval % max(sync.sync_every, 1):
         problems.append(("semi_sync.sync_every", f"must divide checkpoint.interval = {checkpoint_interval}: a "
                                                  "checkpoint between synchronisations would lose the groups' "
@@ -103,9 +107,10 @@ def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enable
     return problems
 
 
-def replica_folder(dump_folder: str, cfg: FaultToleranceConfig) -> str:
-    """Each group's own outputs (metrics, config copy, checkpoints) under the shared job.dump_folder."""
-    return os.path.join(dump_folder, f"replica_{cfg.replica_id}") if cfg.enable else dump_folder
+def replica_folder(folder: str, cfg: FaultToleranceConfig) -> str:
+    """This group's own folder under a shared one (job.dump_folder, or a checkpoint.folder given as an absolute path
+    or URL): the groups never write, or clean up, each other's files."""
+    return f"{folder.rstrip('/')}/replica_{cfg.replica_id}" if cfg.enable else folder
 
 
 def data_coordinates(cfg: FaultToleranceConfig, dp_rank: int, dp_degree: int) -> tuple[int, int]:
@@ -122,7 +127,10 @@ class ReplicaGroups(Stateful):
     def __init__(self, cfg: FaultToleranceConfig, device: torch.device, live_state: dict[str, Stateful],
                  model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
         self.cfg, self.enabled, self.device = cfg, cfg.enable, device
+        self.every_step = cfg.enable and cfg.semi_sync.method == "none"
         self.diloco = None
+        # DiLoCo keeps the weights the groups last agreed on: built at the first step, after any checkpoint load.
+        self._diloco_parts = (model_parts, optimizer) if cfg.enable and not self.every_step else None
         self._groups = None  # groups in the last quorum
         self.committed = True  # whether the last step's update was applied
         self._received = False  # a peer's live state was loaded since begin_step last looked
@@ -165,20 +173,17 @@ class ReplicaGroups(Stateful):
             init_sync=False,  # every group initialises the same weights from debug.seed
             **store,
         )
-        if cfg.semi_sync.method == "diloco":
-            self.diloco = _build_diloco(self.manager, cfg.semi_sync, model_parts, optimizer, device)
         logger.info(f"fault tolerance: replica group {cfg.replica_id} of {cfg.group_size}, lighthouse "
                     f"{os.environ[LIGHTHOUSE_ENV]}, synchronising "
-                    + ("every step" if self.diloco is None else
+                    + ("every step" if self.every_step else
                        f"by DiLoCo every {cfg.semi_sync.sync_every} steps in {cfg.semi_sync.fragments} fragment(s)"))
-
-    @property
-    def every_step(self) -> bool:
-        return self.enabled and self.diloco is None
 
     def begin_step(self) -> bool:
         """Agree on this step's groups (every-step mode); True when this group has just taken a peer's live state
         (here, or at the previous step's DiLoCo synchronisation): the data iterator must then be made anew."""
+        if self._diloco_parts is not None:
+            self.diloco = _build_diloco(self.manager, self.cfg.semi_sync, *self._diloco_parts, self.device)
+            self._diloco_parts = None
         if self.every_step:
             self.manager.start_quorum()
             if self.manager.num_participants() != self._groups:
