@@ -71,6 +71,9 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     _check_converters(c)
     _check_checkpoint(c, world_size)
     _check_fault_tolerance(c)
+    from torchtitan.components.task_eval import config_problems as eval_problems
+
+    c.report("eval", eval_problems(c.cfg.eval, c.cfg.parallelism))
     _check_unsupported(c)
 
 

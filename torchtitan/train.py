@@ -184,6 +184,12 @@ class Trainer:
                 batch_loss=self._validation_batch_loss, chat=training.chat,
             )
 
+        self.task_eval = None
+        if cfg.eval.enable:
+            from torchtitan.components.task_eval import TaskEvaluator
+
+            self.task_eval = TaskEvaluator(cfg.eval, self.tokenizer, training.seq_len, self.device, self.autocast)
+
         self.metrics = MetricsLogger(
             cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype(training), self.flops_per_token,
             training.steps, run_config=config_to_dict(cfg), console_extras=self.objective.metric_names,
@@ -398,6 +404,8 @@ class Trainer:
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+        if self.task_eval is not None and self.task_eval.should_run(step):
+            self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
 
     def close(self) -> None:
         self.replicas.close()

@@ -109,6 +109,11 @@ class MetricsLogger:
         row = {"step": step, **values}
         self._emit(row, f"validation step: {step}  " + "  ".join(f"{k}: {v:.4f}" for k, v in values.items()))
 
+    def log_eval(self, step: int, values: dict) -> None:
+        """A downstream-task row ([eval]): keys eval/{task}/{metric}."""
+        self._emit({"step": step, **values}, f"eval step: {step}  " + "  ".join(f"{k}: {v:.4f}" for k, v in
+                                                                             values.items()))
+
     def _emit(self, row: dict, line: str) -> None:
         if not self.writes:
             return

@@ -348,6 +348,16 @@ class FaultTolerance:
 
 
 @dataclass
+class Eval:
+    enable: bool = option(False, "Score lm-evaluation-harness tasks during training (pip install -e \".[eval]\")")
+    tasks: list[str] = option(["pydocs_mc"], "lm-eval tasks; pydocs_mc is built in and offline")
+    freq: int = option(1000, "Evaluate every this many steps")
+    limit: int = option(0, "At most this many examples per task (0: all)")
+    num_fewshot: int = option(-1, "Few-shot examples per prompt (-1: each task's default)")
+    batch_size: int = option(8, "Sequences scored per forward")
+
+
+@dataclass
 class Debug:
     seed: int = option(0, "Seed for weight initialisation and everything random")
     deterministic: bool = option(False, "Use deterministic algorithms (slower)")
@@ -378,5 +388,6 @@ class JobConfig:
     comm: Comm = section(Comm, "Collective communication")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "Replica groups that fail and rejoin mid-run (torchft)")
     validation: Validation = section(Validation, "Validation")
+    eval: Eval = section(Eval, "Downstream tasks (lm-evaluation-harness) during training")
     debug: Debug = section(Debug, "Reproducibility")
     experimental: Experimental = section(Experimental, "Experimental extensions")

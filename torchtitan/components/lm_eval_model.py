@@ -25,7 +25,7 @@ from torch import nn
 
 from torchtitan.data.tokenizer import Tokenizer
 
-TASKS_DIR = Path(__file__).parent / "eval_tasks"
+TASKS_DIR = Path(__file__).parents[1] / "eval_tasks"
 BUILT_IN_TASKS = frozenset(path.stem for path in TASKS_DIR.glob("*.yaml"))
 
 
@@ -40,13 +40,15 @@ def _template_lm():
 
 class TitanLM(_template_lm()):
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, max_length: int, batch_size: int = 8,
-                 device: torch.device | str = "cpu", autocast=None):
+                 device: torch.device | str = "cpu", autocast=None, share_across_ranks: bool = True):
+        """``share_across_ranks``: under torchrun each rank scores its share of the requests; else every rank
+        scores them all (an FSDP-sharded model, whose ranks must run the same forwards)."""
         super().__init__()
         self.model, self.tokenizer = model, tokenizer
         self.max_length, self.batch_size = max_length, batch_size
         self._device = torch.device(device)
         self.autocast = autocast
-        distributed = dist.is_initialized()
+        distributed = dist.is_initialized() and share_across_ranks
         self._rank = dist.get_rank() if distributed else 0
         self._world_size = dist.get_world_size() if distributed else 1
 

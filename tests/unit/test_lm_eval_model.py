@@ -1,4 +1,4 @@
-"""TitanLM (torchtitan/harness.py) on hand-made requests: generation's stop strings and length limit, and
+"""TitanLM (torchtitan/components/lm_eval_model.py) on hand-made requests: generation's stop strings and length limit, and
 log-likelihoods equal to a plain forward's."""
 
 import pytest
@@ -8,7 +8,7 @@ from lm_eval.api.instance import Instance
 from torch import nn
 
 from torchtitan.config import load_config
-from torchtitan.harness import TitanLM
+from torchtitan.components.lm_eval_model import TitanLM
 from torchtitan.inference import build_model
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -91,3 +91,19 @@ def test_loglikelihoods_are_the_plain_forwards_sums(tokenizer):
                                                  score_tokens(requests))[1]
     lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     assert len(tokenizer.encode(text)) > 64 and scored == tokenizer.encode(text)
+
+
+@pytest.mark.parametrize(("flags", "world_size", "message"), [
+    (["--eval.freq", "5"], 1, "eval.enable = False but eval.freq is set"),
+    (["--eval.enable", "--eval.freq", "0"], 1, "eval.freq = 0 is invalid; it must be > 0"),
+    (["--eval.enable", "--eval.tasks", ""], 1, r"eval.tasks = \[\] is empty"),
+    (["--eval.enable", "--parallelism.tensor_parallel_degree", "2"], 2, "parallelism.tensor_parallel_degree = 2; "
+                                                                       "evaluate checkpoints with scripts/evaluate.py"),
+])
+def test_in_loop_eval_settings_that_cannot_work_are_refused(flags, world_size, message):
+    from torchtitan.config import ConfigError
+    from torchtitan.config_check import validate_config
+
+    cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", *flags])
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg, sources, world_size=world_size)

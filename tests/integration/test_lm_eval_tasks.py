@@ -10,7 +10,7 @@ from tests.conftest import run_command, torchrun_command
 from torchtitan.components.hf_checkpoint import write_hf_folder
 from torchtitan.config import load_config
 from torchtitan.eval_tasks.pydocs_mc import questions
-from torchtitan.harness import TitanLM, run_tasks, task_manager
+from torchtitan.components.lm_eval_model import TitanLM, run_tasks, task_manager
 from torchtitan.inference import build_model, load_model
 
 pytestmark = pytest.mark.slow
