@@ -6,8 +6,9 @@ import dataclasses
 import importlib
 from typing import Any
 
-from torchtitan.config.job_config import JobConfig, LoRA
+from torchtitan.config.job_config import JobConfig
 from torchtitan.config.loading import ConfigError, ConfigSources, load_config
+from torchtitan.config_fields import changed_fields
 from torchtitan.distributed.device import world_size as launched_world_size
 from torchtitan.distributed.parallel_dims import ParallelDims
 
@@ -210,9 +211,7 @@ def _check_converters(c: _Checker) -> None:
 
     c.report("model", config_problems(c.cfg.model.converters))
     # A [lora] setting off its default does nothing without the converter (a resolved config.toml holds them all).
-    defaults = LoRA()
-    changed = [f"lora.{f.name}" for f in dataclasses.fields(c.cfg.lora)
-               if getattr(c.cfg.lora, f.name) != getattr(defaults, f.name)]
+    changed = [f"lora.{name}" for name in changed_fields(c.cfg.lora)]
     c.require("model.converters", "lora" in c.cfg.model.converters or not changed,
               f"does not list 'lora', but {', '.join(changed)} is set; add 'lora' to model.converters (or remove "
               "the [lora] settings)")

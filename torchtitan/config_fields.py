@@ -4,7 +4,7 @@ A leaf, so that a section can live beside the code it configures (data/config.py
 (config/job_config.py) composes them.
 """
 
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Any
 
 
@@ -18,3 +18,10 @@ def option(default: Any, doc: str) -> Any:
 def section(cls: type, doc: str) -> Any:
     """A nested config section (a dataclass) with its doc."""
     return field(default_factory=cls, metadata={"doc": doc})
+
+
+def changed_fields(section: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """Names of the fields of a section's dataclass that differ from their defaults, in declaration order: what a
+    user set (a resolved config.toml lists every field, most at their defaults)."""
+    default = type(section)()
+    return [f.name for f in fields(section) if f.name not in skip and getattr(section, f.name) != getattr(default, f.name)]

@@ -140,7 +140,8 @@ class Trainer:
         ft = cfg.fault_tolerance
         group_dp_rank, group_dp_degree = self.parallel_dims.dp_coordinates()
         dp_rank, dp_degree = data_coordinates(ft, group_dp_rank, group_dp_degree)
-        global_batch = self.parallel_dims.global_batch_size(training)
+        global_batch = self.parallel_dims.global_batch_size(training)  # this replica group's
+        groups = ft.group_size if ft.enable else 1
         self.grad_accum_steps = self.parallel_dims.grad_accum_steps(training)
         self.dataloader = spec.build_dataloader_fn(
             self.tokenizer,
@@ -159,7 +160,7 @@ class Trainer:
             chat=training.chat,
             shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
             mixture=cfg.data,
-            global_batch_size=global_batch * (ft.group_size if ft.enable else 1),
+            global_batch_size=global_batch * groups,
         )
         self.expert_loads = None
         if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
@@ -223,9 +224,8 @@ class Trainer:
             logger.warning("fine-tuning on chat data from freshly initialised weights: no checkpoint was resumed and "
                            "checkpoint.initial_load_path is unset (give the pretrained checkpoint to start from)")
         self.preemption = PreemptionWatcher(self.device)
-        groups = f" x {ft.group_size} replica groups" if ft.enable else ""
-        logger.info(f"global batch {global_batch * (ft.group_size if ft.enable else 1)} sequences = local "
-                    f"{training.local_batch_size} x dp {self.parallel_dims.dp}{groups} x accumulation "
+        logger.info(f"global batch {global_batch * groups} sequences = local {training.local_batch_size} x dp "
+                    f"{self.parallel_dims.dp}{f' x {groups} replica groups' if ft.enable else ''} x accumulation "
                     f"{self.grad_accum_steps}; {training.steps} steps")
 
     def _hf_adapter(self, spec):

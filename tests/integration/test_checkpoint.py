@@ -65,13 +65,18 @@ def kill_when(proc: subprocess.Popen, condition, timeout: float = 600) -> None:
         assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
         assert time.time() < deadline, "timed out waiting to kill the run"
         time.sleep(0.02)
+    kill_tree(proc)
+    time.sleep(0.5)  # let the kernel reap the workers before the relaunch looks at the folder
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and every process below it, and reap it."""
     for pid in [proc.pid, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
-    time.sleep(0.5)  # let the kernel reap the workers before the relaunch looks at the folder
 
 
 def losses(dump: Path) -> dict[int, float]:

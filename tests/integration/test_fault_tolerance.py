@@ -6,7 +6,6 @@ groups train what HSDP 2 x 2 trains; DiLoCo with one inner step is plain data pa
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 
 from tests.conftest import REPO, torchrun_command
 from tests.integration.parity import COMMON, CONFIG, rows_of
+from tests.integration.test_checkpoint import kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -92,30 +92,7 @@ class Group:
 
     def kill(self) -> None:
         """SIGKILL torchrun and its workers (each of which torchrun starts in a session of its own)."""
-        for pid in [*descendants(self.proc.pid), self.proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (ValueError, OSError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+        kill_tree(self.proc)
 
 
 def weights(folder: Path, rank: int) -> list[dict]:

@@ -29,7 +29,6 @@ the tensors this group contributes per step, summed over its ranks).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
+from torchtitan.config_fields import changed_fields
 from torchtitan.log import logger
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -51,10 +51,8 @@ def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enable
                     checkpoint_interval: int, checkpoint_enabled: bool) -> list[tuple[str, str]]:
     """Problems with the [fault_tolerance] section as (field, reason) pairs."""
     sync = cfg.semi_sync
-    changed = [f"fault_tolerance.{f.name}" for f in dataclasses.fields(cfg)
-               if f.name not in ("enable", "semi_sync") and getattr(cfg, f.name) != f.default]
-    changed_sync = [f"fault_tolerance.semi_sync.{f.name}" for f in dataclasses.fields(sync)
-                    if getattr(sync, f.name) != f.default]
+    changed = [f"fault_tolerance.{name}" for name in changed_fields(cfg, skip=("enable", "semi_sync"))]
+    changed_sync = [f"fault_tolerance.semi_sync.{name}" for name in changed_fields(sync)]
     if not cfg.enable:
         if changed or changed_sync:
             return [("enable", f"but {(changed + changed_sync)[0]} is set; enable fault tolerance or leave the "

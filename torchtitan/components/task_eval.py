@@ -8,7 +8,6 @@ torch's) is put back afterwards, so a run's training numbers are the same with a
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import random
 
@@ -18,14 +17,14 @@ from torch import nn
 
 from torchtitan.config.job_config import Eval as EvalConfig
 from torchtitan.config.job_config import Parallelism
+from torchtitan.config_fields import changed_fields
 from torchtitan.data import Tokenizer
 
 
 def config_problems(cfg: EvalConfig, parallelism: Parallelism) -> list[tuple[str, str]]:
     """Problems with the [eval] section as (field, reason) pairs."""
     if not cfg.enable:
-        changed = [f.name for f in dataclasses.fields(cfg) if f.name != "enable"
-                   and getattr(cfg, f.name) != getattr(EvalConfig(), f.name)]
+        changed = changed_fields(cfg, skip=("enable",))
         return [("enable", f"but eval.{changed[0]} is set; enable it or leave [eval] out")] if changed else []
     if importlib.util.find_spec("lm_eval") is None:
         return [("enable", "needs lm-eval (pip install -e \".[eval]\", or pip install lm-eval)")]
