@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
 from torchtitan.components.expert_load import ExpertLoadBalancer
-from torchtitan.components.fault_tolerance import ReplicaGroups, data_coordinates, replica_folder
+from torchtitan.components.fault_tolerance import ReplicaGroupError, ReplicaGroups, data_coordinates, replica_folder
 from torchtitan.components.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.host_memory import keep_freed_host_memory
 from torchtitan.components.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError) as e:  # ConfigError here: what only the launch shows (e.g. too few GPUs)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingError, CheckpointError, MetricsBackendError) as e:
+    except (TrainingError, CheckpointError, MetricsBackendError, ReplicaGroupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

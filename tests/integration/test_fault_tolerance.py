@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from tests.conftest import REPO, torchrun_command
+from tests.conftest import REPO, run_module, torchrun_command
 from tests.integration.parity import COMMON, CONFIG, rows_of
 from tests.integration.test_checkpoint import kill_tree
 
@@ -203,3 +203,12 @@ def test_diloco_with_one_inner_step_is_data_parallel_sgd(tmp_path, debug_runs):
     mean = [(a + b) / 2 for a, b in zip(losses(g0), losses(g1))]
     assert len(mean) == 6 and mean == pytest.approx(reference, abs=1e-5)
     assert losses(g0) != pytest.approx(losses(g1), abs=1e-4)  # each group scores its own batch
+
+
+def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path):
+    result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", "--training.steps", "2",
+                        *GROUPS[:3], "--fault_tolerance.timeout_seconds", "2", f"--job.dump_folder={tmp_path}",
+                        env={"TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}"})
+    assert result.returncode == 1
+    assert "error: fault_tolerance: cannot reach the lighthouse at $TORCHFT_LIGHTHOUSE = http://localhost:" in \
+        result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

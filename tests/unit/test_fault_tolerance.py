@@ -51,6 +51,9 @@ def test_the_lighthouse_address_is_required_and_good_settings_pass(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match=r"needs the lighthouse's address in \$TORCHFT_LIGHTHOUSE"):
         check(ON)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "localhost:29510")
+    with pytest.raises(ConfigError, match=r"\(e.g. http://localhost:29510 .*, not 'localhost:29510'"):
+        check(ON)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://localhost:29510")
     check(ON)
     check([*ON, "--fault_tolerance.replica_id", "1", *DILOCO, "--fault_tolerance.semi_sync.fragments", "2"])

@@ -47,6 +47,10 @@ from torchtitan.log import logger
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
+class ReplicaGroupError(Exception):
+    """The groups cannot agree (the lighthouse unreachable, no quorum in time); the message says which."""
+
+
 def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enabled: bool,
                     checkpoint_interval: int, checkpoint_enabled: bool) -> list[tuple[str, str]]:
     """Problems with the [fault_tolerance] section as (field, reason) pairs."""
@@ -60,9 +64,11 @@ def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enable
         return []
     if importlib.util.find_spec("torchft") is None:
         return [("enable", "needs torchft (pip install torchft, or this package's [ft] extra)")]
-    if not os.environ.get(LIGHTHOUSE_ENV):
+    address = os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address.startswith(("http://", "https://")):
         return [("enable", f"needs the lighthouse's address in ${LIGHTHOUSE_ENV} (e.g. http://localhost:29510 "
-                           "after `torchft_lighthouse --min_replicas 1`; docs/fault_tolerance.md)")]
+                           "after `torchft_lighthouse --min_replicas 1`; docs/fault_tolerance.md)"
+                           + (f", not {address!r}" if address else ""))]
     problems = []
     if cfg.group_size < 1:
         problems.append(("group_size", "is invalid; it must be >= 1"))
@@ -162,15 +168,21 @@ class ReplicaGroups(Stateful):
         from torchft.checkpointing.pg_transport import PGTransport
 
         pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
-        self.manager = CountingManager(
-            pg=pg, checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
-            load_state_dict=self._receive, state_dict=self._send, min_replica_size=cfg.min_replica_size,
-            # Synchronous: a group that heals loads the live state before its forward, so it takes part at once.
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
-            rank=group_rank, world_size=group_size, replica_id=f"torchtitan_replica_{cfg.replica_id}",
-            init_sync=False,  # every group initialises the same weights from debug.seed
-            **store,
-        )
+        try:
+            self.manager = CountingManager(
+                pg=pg, checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
+                load_state_dict=self._receive, state_dict=self._send, min_replica_size=cfg.min_replica_size,
+                # Synchronous: a group that heals loads the live state before its forward, so it takes part at once.
+                use_async_quorum=False, timeout=timeout, connect_timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds), rank=group_rank, world_size=group_size,
+                replica_id=f"torchtitan_replica_{cfg.replica_id}",
+                init_sync=False,  # every group initialises the same weights from debug.seed
+                **store,
+            )
+        except RuntimeError as e:  # torchft's connection error
+            raise ReplicaGroupError(f"fault_tolerance: cannot reach the lighthouse at ${LIGHTHOUSE_ENV} = "
+                                    f"{os.environ[LIGHTHOUSE_ENV]} within fault_tolerance.timeout_seconds = "
+                                    f"{cfg.timeout_seconds:g}: {str(e).splitlines()[0][:200]}") from None
         logger.info(f"fault tolerance: replica group {cfg.replica_id} of {cfg.group_size}, lighthouse "
                     f"{os.environ[LIGHTHOUSE_ENV]}, synchronising "
                     + ("every step" if self.every_step else
