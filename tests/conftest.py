@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,11 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 # And anything else that tries HTTP(S) meets a proxy that refuses at once: the suite must pass offline.
 # The values they had before are kept for the one setup step that must reach the network (online_env).
 _PROXIES = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
-ORIGINAL_PROXY_ENV = {var: os.environ.get(var) for var in (*_PROXIES, "NO_PROXY", "no_proxy")}
+# pytest-xdist's workers inherit the environment this file already changed: they read the originals back.
+_SAVED_PROXIES = "TORCHTITAN_TESTS_ORIGINAL_PROXY_ENV"
+ORIGINAL_PROXY_ENV = json.loads(os.environ.get(_SAVED_PROXIES) or json.dumps(
+    {var: os.environ.get(var) for var in (*_PROXIES, "NO_PROXY", "no_proxy")}))
+os.environ[_SAVED_PROXIES] = json.dumps(ORIGINAL_PROXY_ENV)
 for _var in _PROXIES:
     os.environ[_var] = "http://127.0.0.1:9"
 os.environ["NO_PROXY"] = os.environ["no_proxy"] = ""
@@ -25,6 +30,44 @@ _DATASETS_CACHE = tempfile.TemporaryDirectory(prefix="torchtitan-tests-datasets-
 os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
 # One inductor cache for every compiling test process, kept between runs: compiling is the slow part.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchtitan-tests-inductor"))
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (the suite's default): one worker per core, at most 4; most tests start processes of their own
+    and many spend seconds waiting on them (start-up, rendezvous, a killed rank's timeout), which the other
+    worker's tests fill."""
+    return max(1, min(4, _usable_cores()))
+
+
+def pytest_configure(config) -> None:
+    # Each worker's own torch ops get their share of the cores: threads beyond them only wait on each other.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, _usable_cores() // workers))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each test module on one worker, so its module-scoped fixtures run once; and every module that reads the
+    suite's matrix of training runs (a session fixture, tests/integration/conftest.py) on the same worker, so the
+    matrix runs once. The largest group, the matrix's, is scheduled first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.integration.parity import DEBUG_LAYOUT_MODULES, OTHER_MATRIX_MODULES
+
+    matrix = {f"tests/integration/{name}.py" for name in (*DEBUG_LAYOUT_MODULES, *OTHER_MATRIX_MODULES)}
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "training-matrix" if module in matrix else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

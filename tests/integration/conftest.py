@@ -5,7 +5,9 @@ import importlib
 import pytest
 
 from tests.integration.parity import (
+    DEBUG_LAYOUT_MODULES,
     MANY_PROCESS_LAYOUTS,
+    OTHER_MATRIX_MODULES,
     TINY_COMMON,
     TINY_CONFIG,
     Matrix,
@@ -13,16 +15,6 @@ from tests.integration.parity import (
     train_matrices,
     train_matrix,
 )
-
-# The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
-DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",
-                        "test_document_masking_training", "test_chunked_loss_training", "test_objective_training",
-                        "test_muon_training", "test_lora", "test_fault_tolerance")
-# The modules with runs of other models or configs in the same launches; each has
-# suite_matrices(folder) -> {prefix: Matrix}, and its layouts' names start with their prefix.
-OTHER_MATRIX_MODULES = ("test_moe", "test_deepseek_v3_training", "test_gradient_sync", "test_qwen3",
-                        "test_extensions", "test_muon_training", "test_optimizer_checkpoints", "test_lora",
-                        "test_qwen3_next_training", "test_gpt_oss_training")
 
 
 @pytest.fixture(scope="session")
