@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, _ = load_config(["--job.config_file", args.config])
         model, spec = build_model(cfg)
         load_hf_weights(model, spec, args.hf_folder)
-    except (ConfigError, CheckpointError, KeyError) as e:
+    except (ConfigError, CheckpointError, KeyError, ValueError) as e:  # ValueError: a model HF cannot express
         print(f"error: {e}", file=sys.stderr)
         return 2
     dcp.save({"model": ModelState([model])}, checkpoint_id=str(args.output), no_dist=True)

@@ -199,6 +199,9 @@ def _check_model(c: _Checker) -> None:
     from torchtitan.components.multi_token_prediction import config_problems as mtp_problems
 
     c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.checkpoint, args))
+    from torchtitan.components.mup import config_problems as mup_problems
+
+    c.report("", mup_problems(c.cfg.model, c.cfg.optimizer, c.cfg.checkpoint, args))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

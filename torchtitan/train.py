@@ -22,6 +22,7 @@ from torchtitan.components.loss import build_cross_entropy_loss, count_valid_tok
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metric_backends import MetricsBackendError
 from torchtitan.components.metrics import MetricsLogger
+from torchtitan.components.mup import apply_lr_multipliers, base_lr, lr_multipliers
 from torchtitan.components.objective import build_objective
 from torchtitan.components.optimizer import build_optimizer, clipped_step
 from torchtitan.components.preemption import PreemptionWatcher
@@ -132,6 +133,9 @@ class Trainer:
 
         # Optimisation.
         self.optimizer = (spec.build_optimizer_fn or build_optimizer)(self.model_parts, cfg.optimizer)
+        if cfg.model.mup.base_width:  # µP: each parameter group's lr times its width multiplier
+            apply_lr_multipliers(self.optimizer, lr_multipliers(self.model_parts, self.model_args.mup,
+                                                                self.model_args.dim, cfg.optimizer))
         self.lr_scheduler = (spec.build_lr_scheduler_fn or build_lr_scheduler)(self.optimizer, cfg.lr_scheduler,
                                                                               training.steps)
 
@@ -349,7 +353,8 @@ class Trainer:
                     self.data_iterator = iter(self.dataloader)
                 if (self.step + 1) % cfg.gc_freq == 0:
                     gc.collect(1)
-                lr = float(self.lr_scheduler.get_last_lr()[0])  # a tensor for torchao's optimizers
+                # A tensor for torchao's optimizers; under µP, optimizer.lr's share of the first group's.
+                lr = base_lr(self.optimizer, float(self.lr_scheduler.get_last_lr()[0]))
                 data_start = time.perf_counter()
                 microbatches = [next(self.data_iterator) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - data_start

@@ -45,6 +45,15 @@ class Metrics:
 
 
 @dataclass
+class Mup:
+    base_width: int = option(
+        0, "µP: the width (model dim) of the base model the hyper-parameters were tuned on; this model's init, "
+        "logits, attention scale and per-group learning rates follow from the ratio (docs/mup.md); 0: off")
+    base_head_dim: int = option(
+        0, "µP: the base model's attention head size; 0: this model's own (a width grown by adding heads)")
+
+
+@dataclass
 class Model:
     name: str = option("llama3", "Registered model (TrainSpec) name")
     flavor: str = option("debugmodel", "Model size/variant within the family")
@@ -63,6 +72,7 @@ class Model:
     )
     converters: list[str] = option([], "Model converters applied in order: float8, lora")
     print_after_conversion: bool = option(False, "Print the model after converters ran")
+    mup: Mup = section(Mup, "µP (maximal update parametrization): tune at a small width, train at a larger one")
 
 
 @dataclass

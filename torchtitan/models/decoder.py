@@ -5,6 +5,8 @@ RMSNorm → output.
 Only the math lives here; parallelism is applied from the outside (distributed/apply_common.py).
 """
 
+import math
+
 import torch
 from torch import nn
 
@@ -12,17 +14,19 @@ from torchtitan.models.attention import DocumentMask, attend
 from torchtitan.models.decoder_args import DecoderArgs
 from torchtitan.models.feed_forward import FeedForward
 from torchtitan.models.moe import MoE
+from torchtitan.models.mup import hidden_matrices
 from torchtitan.models.rope import RopeConvention, apply_rope, rope_table
-from torchtitan.models.seeded_init import FillFn, canonical_name, decoder_fill, init_param_
+from torchtitan.models.seeded_init import FillFn, canonical_name, decoder_fill, init_param_, scaled
 
 
 class Attention(nn.Module):
     """Grouped-query attention with RoPE on q and k, optionally RMS-normalised per head first (QK-norm)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_convention: RopeConvention,
-                 qk_norm_eps: float | None = None, bias: bool = False):
+                 qk_norm_eps: float | None = None, bias: bool = False, scale: float | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.scale = scale  # on q.k; None: 1/sqrt(head_dim)
         self.rope_convention = rope_convention
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
@@ -52,7 +56,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.attention_fn(q, k, v, documents)
+        out = self.attention_fn(q, k, v, documents, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -110,7 +114,7 @@ class Decoder(nn.Module):
     def _block(self, layer_id: int) -> TransformerBlock:
         a = self.args
         attention = Attention(a.dim, a.n_heads, a.kv_heads, a.head_dim, a.rope_convention,
-                              qk_norm_eps=a.norm_eps if a.qk_norm else None)
+                              qk_norm_eps=a.norm_eps if a.qk_norm else None, scale=a.attention_scale)
         ffn = MoE(a.dim, a.moe) if a.is_moe_layer(layer_id) else FeedForward(a.dim, a.ffn_hidden_dim)
         return TransformerBlock(layer_id, a.dim, a.norm_eps, attention, ffn)
 
@@ -147,6 +151,8 @@ class Decoder(nn.Module):
         without it."""
         if self.output is None:
             return h
+        if self.args.output_multiplier != 1:  # µP: the projection is linear, so this scales the logits
+            h = h * self.args.output_multiplier
         return self.output(h) if labels is None else self.output(h, labels=labels)
 
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
@@ -156,9 +162,12 @@ class Decoder(nn.Module):
             if isinstance(module, MoE):
                 module.init_buffers(buffer_device)
         self.tie_weights()
+        # µP: the hidden matrices start sqrt(base_width / dim) times smaller (models/mup.py).
+        ratio = self.args.mup.width_ratio(self.args.dim) if self.args.mup is not None else 1.0
+        hidden = hidden_matrices(self) if ratio != 1 else set()
         for name, param in self.named_parameters():
-            name = canonical_name(name)
-            init_param_(param, name, seed, self._fill(name))
+            fill = self._fill(canonical_name(name))
+            init_param_(param, canonical_name(name), seed, scaled(fill, math.sqrt(ratio)) if name in hidden else fill)
 
     def _fill(self, name: str) -> FillFn:
         """How the parameter ``name`` (canonical) is initialised; a family with other parameters extends this."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.models.moe import MoEArgs
+from torchtitan.models.mup import MupArgs
 from torchtitan.models.rope import RopeConvention, rope_frequencies
 from torchtitan.protocols.model import BaseModelArgs
 
@@ -37,6 +38,8 @@ class DecoderArgs(BaseModelArgs):
     """Mixture-of-Experts feed-forward in place of the dense one (None: every block is dense)."""
     n_dense_layers: int = 0
     """With moe: the first this many blocks keep the dense feed-forward (DeepSeek-V3: 3)."""
+    mup: MupArgs | None = None
+    """µP relative to a base width (models/mup.py); None: the standard parametrization."""
 
     @property
     def head_dim(self) -> int:
@@ -50,6 +53,21 @@ class DecoderArgs(BaseModelArgs):
     def ffn_hidden_dim(self) -> int:
         """Width of the SwiGLU feed-forward."""
         raise NotImplementedError(f"{type(self).__name__} must define ffn_hidden_dim")
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor on q.k; None: the kernels' 1/sqrt(head_dim) (µP changes it away from the base head size)."""
+        return self.mup.attention_scale(self.head_dim) if self.mup is not None else None
+
+    @property
+    def output_multiplier(self) -> float:
+        """The factor on the logits: µP's base_width / dim, else 1."""
+        return self.mup.width_ratio(self.dim) if self.mup is not None else 1.0
+
+    @property
+    def mup_changes_outputs(self) -> bool:
+        """Whether µP's multipliers change this model's forward (away from the base width and head size)."""
+        return self.output_multiplier != 1 or self.attention_scale is not None
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.n_dense_layers
@@ -70,6 +88,9 @@ class DecoderArgs(BaseModelArgs):
     def finalize(self, tokenizer_vocab_size: int, seq_len: int):
         return dataclasses.replace(self, vocab_size=self.vocab_size or tokenizer_vocab_size, max_seq_len=seq_len)
 
+    def with_mup(self, base_width: int, base_head_dim: int):
+        return dataclasses.replace(self, mup=MupArgs(base_width, base_head_dim or self.head_dim))
+
     def check(self) -> list[tuple[str, str]]:
         sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.kv_heads,
                  "head_dim": self.head_dim, "ffn_hidden_dim": self.ffn_hidden_dim}
@@ -83,6 +104,11 @@ class DecoderArgs(BaseModelArgs):
         if self.mtp_depth < 0 or (self.mtp_depth and not self.builds_mtp_blocks):
             problems.append(("mtp_depth", f"{self.mtp_depth} is invalid; it must be >= 0 (0: no multi-token "
                                           "prediction), and 0 where the family builds no prediction blocks"))
+        if self.mup is not None and min(self.mup.base_width, self.mup.base_head_dim) <= 0:
+            problems.append(("mup", f"{self.mup} needs a positive base_width and base_head_dim"))
+        if self.mup is not None and self.tie_embeddings:
+            problems.append(("mup", "needs separate embedding and output matrices (µP scales them differently); "
+                                    "this flavor ties them"))
         if self.moe is not None:
             problems += [(f"moe.{name}", reason) for name, reason in self.moe.check()]
             if not 0 <= self.n_dense_layers <= self.n_layers:

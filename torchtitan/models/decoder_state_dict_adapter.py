@@ -158,6 +158,7 @@ class DecoderStateDictAdapter:
         raise UnexpectedWeightError(name, self.family)
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._refuse_mup()
         out, dropped = {}, {}
         for name, tensor in state.items():
             match = _OURS.match(name)
@@ -176,6 +177,11 @@ class DecoderStateDictAdapter:
             out.pop("lm_head.weight", None)
         return out
 
+    def _refuse_mup(self) -> None:
+        if self.args.mup_changes_outputs:
+            raise ValueError(f"the model is parametrized by µP away from its base width ({self.args.mup}): the "
+                             "Hugging Face model has no µP multipliers, so the same weights would give other outputs")
+
     def _check_dropped_bias(self, biases: dict[str, torch.Tensor]) -> None:
         """The format has no routing bias: exporting a trained (non-zero) one would change which experts
         the exported model picks, so it is refused unless the user asked to drop it."""
@@ -192,6 +198,7 @@ class DecoderStateDictAdapter:
                        f"was {largest[0]:.4g} in {largest[1]}")
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self._refuse_mup()
         out = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         for name, tensor in state.items():

@@ -56,6 +56,16 @@ def normal_(std: float, truncate: bool = True) -> FillFn:
     return fill
 
 
+def scaled(fill: FillFn, factor: float) -> FillFn:
+    """``fill``, then multiplied by ``factor`` (a normal's std times factor, truncation points included)."""
+
+    def fill_scaled(t: torch.Tensor, g: torch.Generator) -> None:
+        fill(t, g)
+        t.mul_(factor)
+
+    return fill_scaled
+
+
 def ones_(t: torch.Tensor, g: torch.Generator) -> None:
     t.fill_(1.0)
 

@@ -29,6 +29,11 @@ class BaseModelArgs:
         """The args to build with, once the tokenizer and sequence length are known."""
         return self
 
+    def with_mup(self, base_width: int, base_head_dim: int) -> Self:
+        """These args parametrized by µP relative to a base model (model.mup; base_head_dim 0: this model's head
+        size); ValueError where the family has no µP."""
+        raise ValueError(f"model {type(self).__name__} has no µP parametrization")
+
     def check(self) -> list[tuple[str, str]]:
         """Problems with these args as (field, reason) pairs; empty when the args are usable."""
         return []

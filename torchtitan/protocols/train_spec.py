@@ -76,10 +76,27 @@ def build_model_args(spec: TrainSpec, m: Model, tokenizer_vocab_size: int, seq_l
     applied where the family builds multi-token prediction blocks; ``mtp=False`` builds without them
     (inference, which never runs them)."""
     args = spec.flavors[m.flavor].finalize(tokenizer_vocab_size, seq_len)
+    if m.mup.base_width:
+        args = args.with_mup(m.mup.base_width, m.mup.base_head_dim)
     if args.builds_mtp_blocks:
         depth = args.mtp_depth if m.mtp_depth is None else m.mtp_depth
         args = dataclasses.replace(args, mtp_depth=depth if mtp else 0)
     return args
+
+
+def _mup_problems(m: Model, flavor: Any) -> list[tuple[str, str]]:
+    mup = m.mup
+    if mup.base_width < 0 or mup.base_head_dim < 0:
+        return [("model.mup", f"base_width = {mup.base_width}, base_head_dim = {mup.base_head_dim}: both must be "
+                              ">= 0 (base_width 0: off)")]
+    if not mup.base_width:
+        return [("model.mup.base_head_dim", "does nothing without model.mup.base_width; set both or neither")
+                ] if mup.base_head_dim else []
+    try:
+        bad = flavor.with_mup(mup.base_width, mup.base_head_dim).check()
+    except ValueError as e:
+        return [("model.mup.base_width", f"is set, but {e}; valid: 0")]
+    return [("model.mup.base_width", reason) for name, reason in bad if name == "mup"]
 
 
 def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[tuple[str, str]], Any, Any]:
@@ -97,6 +114,8 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
     if m.mtp_depth and not flavor.builds_mtp_blocks:
         return [("model.mtp_depth", f"needs a model with multi-token prediction blocks, which model.name = "
                                     f"{m.name!r} has not; valid: 0 or unset")], spec, None
+    if problems := _mup_problems(m, flavor):
+        return problems, spec, None
     if bad := flavor.check():
         return [("model.flavor", f"has an invalid {bad[0][0]}: {bad[0][1]}")], spec, None
     if bad := flavor.check_tensor_parallel(p.tensor_parallel_degree):

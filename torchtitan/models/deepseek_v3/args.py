@@ -78,7 +78,7 @@ class DeepseekV3ModelArgs(DecoderArgs):
 
     @property
     def softmax_scale(self) -> float:
-        scale = self.head_dim**-0.5
+        scale = self.attention_scale or self.head_dim**-0.5
         if self.rope_factor > 1 and self.mscale_all_dim:
             scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim) ** 2
         return scale

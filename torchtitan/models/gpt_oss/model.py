@@ -33,7 +33,8 @@ class SinkLogits(nn.Module):
 
 class SinkAttention(Attention):
     def __init__(self, args: GptOssModelArgs, window: int | None):
-        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.rope_convention, bias=True)
+        super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.rope_convention, bias=True,
+                         scale=args.attention_scale)
         self.window = window
         self.sinks = SinkLogits(args.n_heads)
 
@@ -45,7 +46,7 @@ class SinkAttention(Attention):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.attention_fn(q, k, v, documents, window=self.window, sinks=self.sinks.local())
+        out = self.attention_fn(q, k, v, documents, scale=self.scale, window=self.window, sinks=self.sinks.local())
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 

@@ -37,7 +37,7 @@ class ZeroCentredRMSNorm(nn.RMSNorm):
 class GatedAttention(Attention):
     def __init__(self, args: Qwen3NextModelArgs):
         super().__init__(args.dim, args.n_heads, args.kv_heads, args.head_dim, args.rope_convention,
-                         qk_norm_eps=args.norm_eps)
+                         qk_norm_eps=args.norm_eps, scale=args.attention_scale)
         self.rotary_dim = args.rotary_dim
         # Each head's query followed by its gate, so that a rank holding whole heads holds their gates.
         self.wq = nn.Linear(args.dim, args.n_heads * 2 * args.head_dim, bias=False)
@@ -56,7 +56,7 @@ class GatedAttention(Attention):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = self._rope(self.q_norm(q), rope, positions), self._rope(self.k_norm(k), rope, positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.attention_fn(q, k, v, documents).transpose(1, 2)
+        out = self.attention_fn(q, k, v, documents, scale=self.scale).transpose(1, 2)
         return self.wo((out * torch.sigmoid(gate)).reshape(bsz, seqlen, -1))
 
 
