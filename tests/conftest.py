@@ -1,3 +1,4 @@
+import ast
 import json
 import os
 import subprocess
@@ -55,32 +56,45 @@ def pytest_configure(config) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _functions(path: Path) -> dict[str, set[str]]:
+    """Each top-level function (test or fixture) of a Python file, with the names of its parameters."""
+    tree = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[])
+    return {node.name: {a.arg for a in node.args.args} for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """Each test module that shares fixtures between its tests (module- or class-scoped) on one worker, so they
-    run once, and every module that reads the suite's matrix of training runs (a session fixture,
-    tests/integration/conftest.py) on the same worker, so the matrix runs once; other tests one by one, so the
-    workers finish together. The largest group, the matrix's, is scheduled first."""
+    """Every test that reads the suite's matrix of training runs (a session fixture, tests/integration/conftest.py,
+    directly or through another fixture) on one worker, so the matrix runs once; the other tests of a module that
+    shares fixtures between its tests (module- or class-scoped) on one worker, so they run once; every other test
+    on its own, so the workers finish together. The largest group, the matrix's, is scheduled first."""
     from xdist.scheduler import LoadScopeScheduling
 
-    from tests.integration.parity import DEBUG_LAYOUT_MODULES, OTHER_MATRIX_MODULES
+    shared = _functions(REPO / "tests" / "integration" / "conftest.py")
+    modules: dict[str, tuple[set[str], bool]] = {}
 
-    matrix = {f"tests/integration/{name}.py" for name in (*DEBUG_LAYOUT_MODULES, *OTHER_MATRIX_MODULES)}
-    shares: dict[str, bool] = {}
+    def module_facts(module: str) -> tuple[set[str], bool]:
+        """(the module's tests that read the matrix, whether it shares fixtures between tests)."""
+        if module not in modules:
+            path = REPO / module
+            functions = {**shared, **_functions(path)}
+            readers = {"suite_runs", "many_process_runs"}
+            while grown := {name for name, params in functions.items() if params & readers} - readers:
+                readers |= grown
+            source = path.read_text() if path.is_file() else ""
+            shares = any(f"scope={q}{scope}{q}" in source for q in "\"'" for scope in ("module", "class"))
+            modules[module] = ({name for name in readers if name.startswith("test")}, shares)
+        return modules[module]
 
-    def shares_fixtures(module: str) -> bool:
-        if module not in shares:
-            source = (REPO / module).read_text() if (REPO / module).is_file() else ""
-            shares[module] = any(f"scope={q}{scope}{q}" in source for q in "\"'" for scope in ("module", "class"))
-        return shares[module]
-
-    class ModuleScheduling(LoadScopeScheduling):
+    class MatrixAndModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            if module in matrix:
+            module, _, name = nodeid.partition("::")
+            readers, shares = module_facts(module)
+            if name.split("[")[0].split("::")[-1] in readers:
                 return "training-matrix"
-            return module if shares_fixtures(module) else nodeid
+            return module if shares else nodeid
 
-    return ModuleScheduling(config, log)
+    return MatrixAndModuleScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
