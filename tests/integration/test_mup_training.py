@@ -14,14 +14,17 @@ LAYOUTS = {
     "mup_base_width": (1, ["--training.local_batch_size", "8", "--model.mup.base_width", "256"]),
     "mup_muon_standard": (1, [*MUON, "--training.local_batch_size", "8"]),
     "mup_base_width_muon": (1, [*MUON, "--training.local_batch_size", "8", "--model.mup.base_width", "256"]),
-    "mup_single": (1, ["--training.local_batch_size", "8", *MUP]),
+    "mup_single": (1, ["--training.local_batch_size", "8", *MUP, "--checkpoint.enable", "--checkpoint.interval", "2"]),
     "mup_fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", *MUP]),
 }
 
 
 def debug_layouts(folder):
-    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture)."""
-    return LAYOUTS
+    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture); mup_resumed continues
+    mup_single from its step-2 checkpoint (the optimizer's groups split by multiplier)."""
+    resumed = (1, ["--training.local_batch_size", "8", *MUP, "--checkpoint.enable", "--checkpoint.initial_load_path",
+                   str(folder / "mup_single" / "checkpoint" / "step-2"), "--checkpoint.no_initial_load_model_only"])
+    return {**LAYOUTS, "mup_resumed": resumed}
 
 
 @pytest.mark.slow
@@ -43,3 +46,11 @@ def test_mup_at_a_quarter_of_the_base_width_trains_and_matches_under_fsdp_and_tp
     assert abs(single[0]["loss"] - reference[0]["loss"]) > 1e-3
     assert [r["lr"] for r in single] == pytest.approx([10 * r["lr"] for r in reference])
     assert "--optimizer.lr" not in COMMON  # the reference's lr is the preset's, 8e-4
+
+
+@pytest.mark.slow
+def test_a_mup_run_resumes_exactly(debug_runs):
+    rows, straight = rows_of(debug_runs, "mup_resumed"), rows_of(debug_runs, "mup_single")
+    assert [r["step"] for r in rows] == [3, 4]
+    for ours, ref in zip(rows, straight[2:]):
+        assert (ours["loss"], ours["grad_norm"], ours["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"])
