@@ -4,7 +4,8 @@ Every rank appends to ``{dump_folder}/weights-rank{R}.jsonl`` (the group's own f
 step: the step, the SHA-256 of its local weight shards and the groups that took part.
 ``FT_SLOW_WHEN_ALONE=s``: sleep s seconds after each step taken by fewer groups than group_size, so that the
 surviving group is still training when a relaunched one comes back.
-``FT_PAUSE_AFTER_STEP=k``: once a step >= k is committed, write ``{dump_folder}/paused`` and wait to be killed.
+``FT_PAUSE_AFTER_STEP=k``: once a step >= k is committed, each rank writes ``{dump_folder}/paused-rank{R}`` (after
+its weights row) and waits to be killed.
 ``FT_START_TOGETHER=folder``: before the first step, mark this group ready there and wait until every group is,
 so that the lighthouse sees them all (it waits for the groups it hears from) and the first quorum has them all.
 """
@@ -46,7 +47,7 @@ def instrumented_step(self, microbatches):
     with open(folder / f"weights-rank{self.rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": step, "sha": digest.hexdigest(), "groups": groups}) + "\n")
     if step >= int(os.environ.get("FT_PAUSE_AFTER_STEP", "0")) > 0:
-        (folder / "paused").touch()
+        (folder / f"paused-rank{self.rank}").touch()
         time.sleep(3600)
     if groups < self.cfg.fault_tolerance.group_size:
         time.sleep(float(os.environ.get("FT_SLOW_WHEN_ALONE", "0")))

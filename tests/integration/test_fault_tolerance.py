@@ -118,7 +118,8 @@ def test_a_killed_group_rejoins_from_the_survivor_and_both_hold_the_same_weights
         victim = Group(1, tmp_path, flags, {**env, "FT_PAUSE_AFTER_STEP": "5"}, tmp_path / "g1.log")
         del env["FT_START_TOGETHER"]
         deadline = time.monotonic() + 600
-        while not (g1 / "paused").exists():
+        # Every rank of the group has written its row for the step and paused (one rank alone may be a row ahead).
+        while not all((g1 / f"paused-rank{rank}").exists() for rank in (0, 1)):
             assert victim.proc.poll() is None and time.monotonic() < deadline, (tmp_path / "g1.log").read_text()[-4000:]
             time.sleep(0.1)
         killed_at = weights(g1, 0)[-1]["step"]
