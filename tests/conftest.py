@@ -56,11 +56,15 @@ def pytest_configure(config) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _functions(path: Path) -> dict[str, set[str]]:
-    """Each top-level function (test or fixture) of a Python file, with the names of its parameters."""
+def _read_module(path: Path) -> tuple[dict[str, set[str]], bool]:
+    """A Python file's top-level functions (tests and fixtures) with the names of their parameters, and whether
+    any fixture in it is module- or class-scoped (shared between its tests)."""
     tree = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[])
-    return {node.name: {a.arg for a in node.args.args} for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    functions = {node.name: {a.arg for a in node.args.args} for node in tree.body
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    shares = any(isinstance(node, ast.keyword) and node.arg == "scope" and isinstance(node.value, ast.Constant)
+                 and node.value.value in ("module", "class") for node in ast.walk(tree))
+    return functions, shares
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -70,19 +74,17 @@ def pytest_xdist_make_scheduler(config, log):
     on its own, so the workers finish together. The largest group, the matrix's, is scheduled first."""
     from xdist.scheduler import LoadScopeScheduling
 
-    shared = _functions(REPO / "tests" / "integration" / "conftest.py")
+    shared = _read_module(REPO / "tests" / "integration" / "conftest.py")[0]
     modules: dict[str, tuple[set[str], bool]] = {}
 
     def module_facts(module: str) -> tuple[set[str], bool]:
         """(the module's tests that read the matrix, whether it shares fixtures between tests)."""
         if module not in modules:
-            path = REPO / module
-            functions = {**shared, **_functions(path)}
+            own, shares = _read_module(REPO / module)
+            functions = {**shared, **own}
             readers = {"suite_runs", "many_process_runs"}
             while grown := {name for name, params in functions.items() if params & readers} - readers:
                 readers |= grown
-            source = path.read_text() if path.is_file() else ""
-            shares = any(f"scope={q}{scope}{q}" in source for q in "\"'" for scope in ("module", "class"))
             modules[module] = ({name for name in readers if name.startswith("test")}, shares)
         return modules[module]
 

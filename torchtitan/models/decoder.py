@@ -166,8 +166,9 @@ class Decoder(nn.Module):
         ratio = self.args.mup.width_ratio(self.args.dim) if self.args.mup is not None else 1.0
         hidden = hidden_matrices(self) if ratio != 1 else set()
         for name, param in self.named_parameters():
-            fill = self._fill(canonical_name(name))
-            init_param_(param, canonical_name(name), seed, scaled(fill, math.sqrt(ratio)) if name in hidden else fill)
+            canonical = canonical_name(name)
+            fill = self._fill(canonical)
+            init_param_(param, canonical, seed, scaled(fill, math.sqrt(ratio)) if name in hidden else fill)
 
     def _fill(self, name: str) -> FillFn:
         """How the parameter ``name`` (canonical) is initialised; a family with other parameters extends this."""
