@@ -33,15 +33,13 @@ os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE.name
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "torchtitan-tests-inductor"))
 
 
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (the suite's default): one worker per core, at most 4; most tests start processes of their own
     and many spend seconds waiting on them (start-up, rendezvous, a killed rank's timeout), which the other
     worker's tests fill."""
-    return max(1, min(4, _usable_cores()))
+    from torchtitan.hardware import usable_cores  # imports torch: only after this file has set its environment
+
+    return max(1, min(4, usable_cores()))
 
 
 def pytest_configure(config) -> None:
@@ -49,8 +47,10 @@ def pytest_configure(config) -> None:
     if workers > 1:
         import torch
 
+        from torchtitan.hardware import usable_cores
+
         # Each worker's own torch ops get their share of the cores: threads beyond them only wait on each other.
-        torch.set_num_threads(max(1, _usable_cores() // workers))
+        torch.set_num_threads(max(1, usable_cores() // workers))
         # OpenMP threads that spin while they wait take the cores from the other worker's processes: a trainer's
         # step took 2 to 4 times longer beside another test's (measured), against 8 % slower alone when they sleep.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

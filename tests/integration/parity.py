@@ -1,7 +1,6 @@
 """Shared by the parity tests: run the trainer under a layout and compare its metrics with a reference run."""
 
 import json
-import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_command, torchrun_command, trainer_command
+from torchtitan.hardware import usable_cores
 
 # The debug model (6 layers, so every pipeline split fits) at a short sequence, 4 steps (2 of warm-up, 2 of
 # decay): a fraction of a second per step, where start-up and compiling are the cost.
@@ -137,8 +137,8 @@ def train_matrices(folder: Path, matrices: dict[str, Matrix]) -> dict[str, list[
         names = [name for name, job in jobs.items() if job[0] == nproc]
         # One-process jobs are split over two concurrent launches of one thread each: much of their time is
         # compiling, which is single-threaded, so two of them use two cores where one launch would use one.
-        groups = _balanced_groups(names, jobs, folder) if nproc == 1 and _cores() > 1 else [names]
-        threads = {"OMP_NUM_THREADS": str(max(1, _cores() // len(groups)))} if len(groups) > 1 else None
+        groups = _balanced_groups(names, jobs, folder) if nproc == 1 and usable_cores() > 1 else [names]
+        threads = {"OMP_NUM_THREADS": str(max(1, usable_cores() // len(groups)))} if len(groups) > 1 else None
         with ThreadPoolExecutor(len(groups)) as pool:
             launches = [pool.submit(_launch, folder, f"{nproc}{'abcdefgh'[i] if len(groups) > 1 else ''}", nproc,
                                     group, jobs, threads) for i, group in enumerate(groups)]
@@ -164,10 +164,6 @@ def _launch_order(jobs: dict, folder: Path) -> list[int]:
 def _reads(jobs: dict, folder: Path, name: str, other: str) -> bool:
     """Whether job ``name`` reads job ``other``'s folder (e.g. resumes its checkpoint)."""
     return f"{folder / other}/" in " ".join(jobs[name][1])
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _launch(folder: Path, tag: str, nproc: int, names: list[str], jobs: dict, env: dict | None
