@@ -21,8 +21,8 @@ import torch
 
 from torchtitan.data import document_positions
 from torchtitan.hardware import DTYPES, cpu_model, usable_cores
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
+from torchtitan.models.shared.decoder import Decoder
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan.components.loss import cross_entropy_sum  # noqa: E402
-from torchtitan.models.chunked_cross_entropy import ChunkedLinearCrossEntropy  # noqa: E402
+from torchtitan.components.objectives.loss import cross_entropy_sum  # noqa: E402
+from torchtitan.models.shared.chunked_cross_entropy import ChunkedLinearCrossEntropy  # noqa: E402
 
 
 def measure(variant: str, tokens: int, vocab: int, dim: int, chunk: int, device: str) -> dict:

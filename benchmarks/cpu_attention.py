@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_attention.py [--batch 8 --heads 16 --seq 2048 --head-dim 16]
 
-Compares the kernels torchtitan.models.attention can pick on CPU for bfloat16: PyTorch's flash kernel in
+Compares the kernels torchtitan.models.shared.attention can pick on CPU for bfloat16: PyTorch's flash kernel in
 bfloat16 both ways, its bfloat16 forward with a float32 backward (the fallback), and the AMX kernel
 (head_dim 16 on CPUs with AMX). Inputs are views of (batch, seq, heads, head_dim) tensors, as the model
 passes them. Each repeat runs every kernel once, in rotating order, so drift on a shared machine spreads
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from torchtitan.hardware import cpu_model, usable_cores
-from torchtitan.models import amx_attention
-from torchtitan.models.attention import _CpuBf16FlashAttention
+from torchtitan.models.shared import amx_attention
+from torchtitan.models.shared.attention import _CpuBf16FlashAttention
 
 _aten = torch.ops.aten
 

@@ -25,15 +25,15 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan.components.lr_scheduler import build_lr_scheduler  # noqa: E402
-from torchtitan.components.mup import apply_lr_multipliers, lr_multipliers  # noqa: E402
-from torchtitan.components.optimizer import build_optimizer  # noqa: E402
+from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler  # noqa: E402
+from torchtitan.components.optimizers.mup import apply_lr_multipliers, lr_multipliers  # noqa: E402
+from torchtitan.components.optimizers.optimizer import build_optimizer  # noqa: E402
 from torchtitan.config.job_config import LRScheduler, Optimizer  # noqa: E402
 from torchtitan.data import build_tokenizer  # noqa: E402
 from torchtitan.data.pydocs import load_pydocs_documents  # noqa: E402
 from torchtitan.hardware import cpu_model  # noqa: E402
-from torchtitan.models.decoder import Decoder  # noqa: E402
 from torchtitan.models.llama3.args import Llama3ModelArgs  # noqa: E402
+from torchtitan.models.shared.decoder import Decoder  # noqa: E402
 
 SEQ_LEN, BATCH, HEAD_COUNT = 128, 8, 4
 

@@ -20,7 +20,7 @@ import time
 import torch
 from report import Table, environment
 
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizers.optimizer import build_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.device import device_type
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec

@@ -31,7 +31,7 @@ import time
 import torch
 from report import Table, environment
 
-from torchtitan.components.optimizer import clipped_step
+from torchtitan.components.optimizers.optimizer import clipped_step
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.grad_norm import global_grad_norm
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from torchtitan.hardware import cpu_model  # noqa: E402
-from torchtitan.models.attention import attend  # noqa: E402
+from torchtitan.models.shared.attention import attend  # noqa: E402
 
 
 def layer_seconds(seq_len: int, window: int | None, repeats: int = 3) -> float:

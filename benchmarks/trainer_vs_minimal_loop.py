@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.peak_flops import device_peak_tflops, measure_matmul_tflops
+from torchtitan.components.metrics.peak_flops import device_peak_tflops, measure_matmul_tflops
 from torchtitan.config import load_config
 from torchtitan.config_check import validate_config
 from torchtitan.hardware import DTYPES, cpu_model, usable_cores

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components.checkpoint import CheckpointError
-from torchtitan.components.checkpoint_states import ModelState
-from torchtitan.components.hf_checkpoint import is_hf_folder
+from torchtitan.components.checkpointing.checkpoint import CheckpointError
+from torchtitan.components.checkpointing.hf_folder import is_hf_folder
+from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.config import ConfigError, load_config
 from torchtitan.inference import build_model, load_hf_weights
 

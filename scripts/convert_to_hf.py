@@ -15,13 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan.components.checkpoint import CheckpointError
-from torchtitan.components.hf_checkpoint import write_hf_folder
-from torchtitan.components.peft_adapter import write_peft_adapter
+from torchtitan.components.checkpointing.checkpoint import CheckpointError
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
+from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
 from torchtitan.inference import build_model, load_checkpoint
-from torchtitan.models.lora import adapter_settings, is_adapted, merge_adapters
+from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError
 from torchtitan.data import DataError
 from torchtitan.device_arg import default_device, parse_device
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 def evaluate_tasks(args, overrides: list[str], device) -> int:
     from torchtitan.config import load_config
     from torchtitan.distributed import device as device_lib
-    from torchtitan.components.lm_eval_model import run_tasks
+    from torchtitan.components.evaluation.lm_eval_model import run_tasks
     from torchtitan.inference import load_model
     from torchtitan.protocols.train_spec import get_train_spec
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
 from torchtitan.device_arg import default_device, parse_device

@@ -8,7 +8,7 @@ global count of valid tokens, like every loss term.
 
 import torch
 
-from torchtitan.components.objective import OBJECTIVES, NextToken, loss_parts
+from torchtitan.components.objectives.objective import OBJECTIVES, NextToken, loss_parts
 from torchtitan.data.dataset import IGNORE_INDEX
 
 COEFF = 0.05

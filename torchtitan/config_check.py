@@ -72,7 +72,7 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     _check_converters(c)
     _check_checkpoint(c, world_size)
     _check_fault_tolerance(c)
-    from torchtitan.components.task_eval import config_problems as eval_problems
+    from torchtitan.components.evaluation.task_eval import config_problems as eval_problems
 
     c.report("eval", eval_problems(c.cfg.eval, c.cfg.parallelism))
     _check_unsupported(c)
@@ -99,10 +99,10 @@ def _check_training(c: _Checker) -> None:
               or "output" in c.cfg.quantize.linear.float8.filter_fqns,
               "makes the output projection the chunked loss head, which float8 does not convert; keep 'output' in "
               "quantize.linear.float8.filter_fqns")
-    from torchtitan.components.objective import config_problems as objective_problems
+    from torchtitan.components.objectives.objective import config_problems as objective_problems
 
     c.report("training", objective_problems(t))
-    from torchtitan.components.metric_backends import config_problems as backend_problems
+    from torchtitan.components.metrics.backends import config_problems as backend_problems
 
     c.report("", backend_problems(c.cfg.metrics))
 
@@ -178,7 +178,7 @@ def _check_parallelism(c: _Checker, world_size: int) -> None:
 def _check_model(c: _Checker) -> None:
     from torchtitan.components.expert_load import config_problems as moe_problems
     from torchtitan.distributed.apply_common import parallelize_fn_of, pipelining_fn_of
-    from torchtitan.models.document_masking import config_problems as masking_problems
+    from torchtitan.models.shared.document_masking import config_problems as masking_problems
     from torchtitan.protocols.train_spec import model_config_problems
 
     problems, spec, args = model_config_problems(c.cfg.model, c.cfg.training.seq_len, c.cfg.parallelism)
@@ -186,7 +186,7 @@ def _check_model(c: _Checker) -> None:
     if spec is not None:
         c.require("model.name", parallelize_fn_of(spec) is not None,
                   "has a TrainSpec without parallelize_fn, which only a model on the shared decoder (a "
-                  "models.decoder.Decoder) may leave out")
+                  "models.shared.decoder.Decoder) may leave out")
         c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls, c.cfg.validation))
     adapter = spec.state_dict_adapter
     # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
@@ -196,10 +196,10 @@ def _check_model(c: _Checker) -> None:
     c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
                               hf_has_expert_bias=getattr(adapter, "hf_has_expert_bias", False),
                               changed_from_defaults=changed))
-    from torchtitan.components.multi_token_prediction import config_problems as mtp_problems
+    from torchtitan.components.objectives.multi_token_prediction import config_problems as mtp_problems
 
     c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.checkpoint, args))
-    from torchtitan.components.mup import config_problems as mup_problems
+    from torchtitan.components.optimizers.mup import config_problems as mup_problems
 
     c.report("", mup_problems(c.cfg.model, c.cfg.optimizer, c.cfg.checkpoint, args))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
@@ -219,13 +219,13 @@ def _check_converters(c: _Checker) -> None:
               f"does not list 'lora', but {', '.join(changed)} is set; add 'lora' to model.converters (or remove "
               "the [lora] settings)")
     if "lora" in c.cfg.model.converters:
-        from torchtitan.components.lora import config_problems as lora_problems
+        from torchtitan.components.lora.converter import config_problems as lora_problems
 
         c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters, c.cfg.parallelism))
 
 
 def _check_data(c: _Checker) -> None:
-    from torchtitan.components.validate import config_problems
+    from torchtitan.components.evaluation.validate import config_problems
     from torchtitan.data.mixture import config_problems as mixture_problems
     from torchtitan.data.sources import source_problems
 
@@ -245,7 +245,7 @@ def _check_data(c: _Checker) -> None:
 
 
 def _check_checkpoint(c: _Checker, world_size: int) -> None:
-    from torchtitan.components.checkpoint import config_problems
+    from torchtitan.components.checkpointing.checkpoint import config_problems
     from torchtitan.protocols.train_spec import get_train_spec
 
     has_adapter = get_train_spec(c.cfg.model.name).state_dict_adapter is not None

@@ -10,14 +10,14 @@ import dataclasses
 
 import torch
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.validate import Validator
+from torchtitan.components.evaluation.validate import Validator
+from torchtitan.components.objectives.loss import build_cross_entropy_loss
 from torchtitan.config import ConfigError, ConfigSources
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.precision import compute_autocast, set_compute_dtype
 from torchtitan.hardware import DTYPES
 from torchtitan.inference import load_model
-from torchtitan.models.document_masking import DocumentMasking
+from torchtitan.models.shared.document_masking import DocumentMasking
 from torchtitan.protocols.train_spec import get_train_spec
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchtitan.components.checkpoint import CheckpointError, load_state
-from torchtitan.components.checkpoint_states import ModelState
-from torchtitan.components.checkpoint_storage import verify_checkpoint
-from torchtitan.components.frozen_base import BaseFingerprint
-from torchtitan.components.hf_checkpoint import is_hf_folder, read_hf_model_state
-from torchtitan.components.lora import LoRAConverter
+from torchtitan.components.checkpointing.checkpoint import CheckpointError, load_state
+from torchtitan.components.checkpointing.frozen_base import BaseFingerprint
+from torchtitan.components.checkpointing.hf_folder import is_hf_folder, read_hf_model_state
+from torchtitan.components.checkpointing.states import ModelState
+from torchtitan.components.checkpointing.storage import verify_checkpoint
+from torchtitan.components.lora.converter import LoRAConverter
 from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models.lora import is_adapter_param
+from torchtitan.models.shared.lora import is_adapter_param
 from torchtitan.protocols.train_spec import TrainSpec, build_model_args, get_train_spec
 from torchtitan.remote import fetched_folder, filesystem, is_url
 
@@ -82,7 +82,7 @@ def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lamb
 def load_checkpoint(model: nn.Module, spec: TrainSpec, cfg: JobConfig, checkpoint: str) -> None:
     """A checkpoint's weights into ``build_model``'s model. A LoRA run's step checkpoints hold its adapters only:
     the base then comes from the config's checkpoint.initial_load_path (or its seeded initialisation), and is
-    checked against the base fingerprint the checkpoint keeps (components/frozen_base.py)."""
+    checked against the base fingerprint the checkpoint keeps (components/checkpointing/frozen_base.py)."""
     adapted = any(is_adapter_param(name) for name, _ in model.named_parameters())
     if adapted and not is_hf_folder(Path(checkpoint)) and not is_url(checkpoint):
         saved = verify_checkpoint(checkpoint).state_dict_metadata

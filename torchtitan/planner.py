@@ -20,20 +20,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchtitan.components.lora import LoRAConverter
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.muon import split_parameters
-from torchtitan.components.optimizer import state_bytes
-from torchtitan.components.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
+from torchtitan.components.lora.converter import LoRAConverter
+from torchtitan.components.metrics.peak_flops import cpu_machine_peak_tflops, gpu_peak_tflops
+from torchtitan.components.objectives.loss import build_cross_entropy_loss
+from torchtitan.components.optimizers.muon import split_parameters
+from torchtitan.components.optimizers.optimizer import state_bytes
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocast
 from torchtitan.hardware import DTYPES
-from torchtitan.models import amx_attention
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.gated_delta_rule import CHUNK
-from torchtitan.models.gated_deltanet import GatedDeltaNet
-from torchtitan.models.lora import nf4_weights
+from torchtitan.models.shared import amx_attention
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.gated_delta_rule import CHUNK
+from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
+from torchtitan.models.shared.lora import nf4_weights
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 GIB = 2**30
@@ -91,7 +91,7 @@ class ModelShape:
     tied: bool = False  # the output head is the embedding table
     # Every parameter tensor as (elements, where, muon, trainable): where is "block", "embedding" or "head" (the
     # final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
-    # (components/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
+    # (components/optimizers/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
     tensors: tuple[tuple[int, str, bool, bool], ...] = ()
     nf4_params: int = 0  # block weights a QLoRA base stores in NF4 (lora.base_dtype), whole on every rank
 
@@ -143,13 +143,13 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     flavor = spec.flavors[cfg.model.flavor]
     if not isinstance(flavor, DecoderArgs):
         raise PlanError(f"model.name = {cfg.model.name!r}: the planner needs its flavors to be DecoderArgs "
-                        f"(torchtitan/models/decoder_args.py), not {type(flavor).__name__}")
+                        f"(torchtitan/models/shared/decoder_args.py), not {type(flavor).__name__}")
     if vocab_size is None and flavor.vocab_size is None:
         vocab_size = spec.build_tokenizer_fn(cfg.model.hf_assets_path).vocab_size
     args = build_model_args(spec, cfg.model, vocab_size or flavor.vocab_size, cfg.training.seq_len)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    if "lora" in cfg.model.converters:  # adapters added, the base frozen (components/lora.py)
+    if "lora" in cfg.model.converters:  # adapters added, the base frozen (components/lora/converter.py)
         LoRAConverter(cfg, None).convert(model)
     # Multi-token prediction blocks are planned as blocks, plus an output-head pass each (memory and FLOPs).
     blocks = list(model.layers.values())
@@ -223,7 +223,7 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
     c = DTYPES[cfg.training.mixed_precision_param].itemsize
     autocast = uses_autocast(cfg.training)
     d, q, kv, f, h = m.dim, m.q_dim / tp, m.kv_dim / tp, m.ffn_dim / tp, m.n_heads / tp
-    # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.attention computes them:
+    # q, k, v, output, and the fp32 log-sum-exp per head, as torchtitan.models.shared.attention computes them:
     # on CPU float16 is upcast to fp32 (a = 4), and in low precision the (batch, heads, seq, head_dim)
     # output reaches wo as a separate copy (a cast back, or a copy into wo's layout), except from the AMX
     # kernel, which writes it in wo's layout.
@@ -260,7 +260,7 @@ def layer_activation_bytes(m: ModelShape, cfg: JobConfig, on_cpu: bool, tp: int)
 
 
 def linear_mixer_bytes(value_heads: int, dk: int, dv: int, channels: int, c: int, on_cpu: bool, tp: int) -> float:
-    """Bytes a Gated DeltaNet layer saves for backward per token (models/gated_deltanet.py): the conv's input and
+    """Bytes a Gated DeltaNet layer saves for backward per token (models/shared/gated_deltanet.py): the conv's input and
     output, q and k normalised in float32 (repeated to the value heads), v, the gates, the recurrence's own, and
     the gated norm's input, gate and output. The chunked PyTorch form (CPU) keeps per head and token about six
     chunk-wide rows (its decays, scores and triangular solve) and three (K + V) rows; fla's kernel (CUDA) keeps its
@@ -481,7 +481,7 @@ class CpuTiming:
 
 def _time_model(cfg: JobConfig, n_layers: int, vocab_size: int, repeats: int) -> tuple[float, float]:
     """Best (forward + backward, optimizer step) seconds of the config's model cut to n_layers blocks."""
-    from torchtitan.components.optimizer import build_optimizer
+    from torchtitan.components.optimizers.optimizer import build_optimizer
 
     spec = get_train_spec(cfg.model.name)
     t = cfg.training

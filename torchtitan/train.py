@@ -13,23 +13,23 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchtitan.components.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.components.checkpointing.checkpoint import CheckpointError, CheckpointManager, TrainState
+from torchtitan.components.checkpointing.provenance import save_provenance
+from torchtitan.components.evaluation.validate import Validator
 from torchtitan.components.expert_load import ExpertLoadBalancer
 from torchtitan.components.fault_tolerance import ReplicaGroupError, ReplicaGroups, data_coordinates, replica_folder
-from torchtitan.components.forward_backward import LocalForwardBackward, PipelineForwardBackward
-from torchtitan.components.host_memory import keep_freed_host_memory
-from torchtitan.components.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
-from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.metric_backends import MetricsBackendError
-from torchtitan.components.metrics import MetricsLogger
-from torchtitan.components.mup import apply_lr_multipliers, base_lr, lr_multipliers
-from torchtitan.components.objective import build_objective
-from torchtitan.components.optimizer import build_optimizer, clipped_step
+from torchtitan.components.metrics.backends import MetricsBackendError
+from torchtitan.components.metrics.host_memory import keep_freed_host_memory
+from torchtitan.components.metrics.logger import MetricsLogger
+from torchtitan.components.metrics.profiling import Profiler
+from torchtitan.components.objectives.forward_backward import LocalForwardBackward, PipelineForwardBackward
+from torchtitan.components.objectives.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
+from torchtitan.components.objectives.objective import build_objective
+from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizers.mup import apply_lr_multipliers, base_lr, lr_multipliers
+from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
 from torchtitan.components.preemption import PreemptionWatcher
-from torchtitan.components.profiling import Profiler
-from torchtitan.components.provenance import save_provenance
 from torchtitan.components.step_guard import StepGuard
-from torchtitan.components.validate import Validator
 from torchtitan.config import ConfigError, JobConfig
 from torchtitan.config.loading import config_to_dict, format_help, save_resolved_config
 from torchtitan.config_check import load_and_validate
@@ -44,9 +44,9 @@ from torchtitan.distributed.precision import compute_autocast, compute_dtype, se
 from torchtitan.distributed.tensor_parallel import loss_parallel_context, to_local_scalar
 from torchtitan.hardware import DTYPES
 from torchtitan.log import init_logger, logger
-from torchtitan.models.chunked_cross_entropy import use_chunked_loss
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.document_masking import DocumentMasking
+from torchtitan.models.shared.chunked_cross_entropy import use_chunked_loss
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.document_masking import DocumentMasking
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -191,7 +191,7 @@ class Trainer:
 
         self.task_eval = None
         if cfg.eval.enable:
-            from torchtitan.components.task_eval import TaskEvaluator
+            from torchtitan.components.evaluation.task_eval import TaskEvaluator
 
             self.task_eval = TaskEvaluator(cfg.eval, self.tokenizer, training.seq_len, self.device, self.autocast)
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import causal_attention
-from torchtitan.models.seeded_init import canonical_name, init_param_, normal_, ones_
+from torchtitan.models.shared.attention import causal_attention
+from torchtitan.models.shared.seeded_init import canonical_name, init_param_, normal_, ones_
 from torchtitan.protocols import BaseModelArgs
 
 

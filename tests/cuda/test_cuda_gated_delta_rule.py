@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.unit.test_gated_deltanet import fresh_generator, random_inputs
-from torchtitan.models import gated_deltanet
-from torchtitan.models.gated_delta_rule import chunk_transition, gated_delta_rule
+from torchtitan.models.shared import gated_deltanet
+from torchtitan.models.shared.gated_delta_rule import chunk_transition, gated_delta_rule
 
 pytestmark = pytest.mark.cuda
 

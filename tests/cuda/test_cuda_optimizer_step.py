@@ -4,7 +4,7 @@ with FSDP CPU offload: the scale the fused CPU kernel reads must be there before
 import pytest
 import torch
 
-from torchtitan.components.optimizer import build_optimizer, clipped_step
+from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.grad_norm import clip_grads_, clip_scale
 

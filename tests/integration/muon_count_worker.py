@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torchtitan.components import muon
+from torchtitan.components.optimizers import muon
 from torchtitan.config_check import load_and_validate
 from torchtitan.log import init_logger
 from torchtitan.train import Trainer

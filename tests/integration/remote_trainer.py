@@ -16,7 +16,7 @@ import sys
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from torchtitan.components.checkpoint import complete_steps
+from torchtitan.components.checkpointing.checkpoint import complete_steps
 from torchtitan.train import main
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_command, run_module, trainer_command
-from torchtitan.components.checkpoint import complete_steps
+from torchtitan.components.checkpointing.checkpoint import complete_steps
 
 # The debug model at seq 256 in fp32: slow enough (~0.3 s/step) to stop a run between checkpoints.
 FLAGS = ["--training.mixed_precision_param", "float32", "--training.seq_len", "256", "--training.steps", "16",

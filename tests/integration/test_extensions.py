@@ -46,8 +46,8 @@ def test_outside_package_model_under_fsdp2_matches_single_process(tmp_path):
 
 
 def test_registries_refuse_duplicates_and_unknown_names():
-    from torchtitan.models.decoder import Decoder
     from torchtitan.models.llama3 import llama3_flavors
+    from torchtitan.models.shared.decoder import Decoder
 
     with pytest.raises(ValueError, match="'llama3' is already registered"):
         register_train_spec("llama3", TrainSpec(model_cls=Decoder, flavors=llama3_flavors))

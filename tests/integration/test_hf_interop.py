@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from tests.conftest import run_command, run_module, trainer_command
-from torchtitan.components.hf_checkpoint import read_safetensors
+from torchtitan.components.checkpointing.hf_folder import read_safetensors
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
 

@@ -7,10 +7,10 @@ import pytest
 from lm_eval.api.instance import Instance
 
 from tests.conftest import run_command, torchrun_command
-from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.config import load_config
 from torchtitan.eval_tasks.pydocs_mc import questions
-from torchtitan.components.lm_eval_model import TitanLM, run_tasks, task_manager
+from torchtitan.components.evaluation.lm_eval_model import TitanLM, run_tasks, task_manager
 from torchtitan.inference import build_model, load_model
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ import torch.distributed.checkpoint
 
 from tests.integration.parity import Matrix, assert_same_steps, rows_of
 from tests.integration.test_training import make_trainer
-from torchtitan.components.checkpoint import CheckpointError
+from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
-from torchtitan.models.lora import is_adapted, is_adapter_param, is_nf4
+from torchtitan.models.shared.lora import is_adapted, is_adapter_param, is_nf4
 
 LORA = ("--model.converters", "lora", "--lora.rank", "4")
 # A high learning rate, so that 6 steps move the adapters (B starts at zero) enough to show in the loss.

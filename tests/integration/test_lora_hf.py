@@ -14,10 +14,10 @@ import transformers
 
 from scripts import convert_to_hf
 from tests.integration.test_training import make_trainer
-from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.config import load_config
 from torchtitan.inference import build_model
-from torchtitan.models.lora import is_adapter_param
+from torchtitan.models.shared.lora import is_adapter_param
 
 CONFIG = "train_configs/tiny.toml"
 TARGETS = "attention.*,feed_forward.*"
@@ -134,7 +134,7 @@ def test_a_qlora_base_loads_from_a_hugging_face_folder_into_nf4(tmp_path):
     folder's weight (the load quantises the whole incoming tensor)."""
     from torchao.quantization import to_nf4
 
-    from torchtitan.models.lora import is_nf4
+    from torchtitan.models.shared.lora import is_nf4
 
     cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", "--debug.seed", "5"])
     base, spec = build_model(cfg)

@@ -15,8 +15,8 @@ import torch
 
 from tests.conftest import REPO
 from tests.integration.test_training import make_trainer
-from torchtitan.components import peak_flops
-from torchtitan.components.peak_flops import device_peak_tflops, gpu_peak_tflops
+from torchtitan.components.metrics import peak_flops
+from torchtitan.components.metrics.peak_flops import device_peak_tflops, gpu_peak_tflops
 
 
 def train(tmp_path, *flags):
@@ -88,7 +88,7 @@ def test_wandb_offline_run_directory_holds_the_metrics(tmp_path, monkeypatch):
 
 
 def test_a_backend_that_cannot_be_imported_is_a_one_line_error(tmp_path, monkeypatch):
-    from torchtitan.components.metric_backends import MetricsBackendError, WandbBackend
+    from torchtitan.components.metrics.backends import MetricsBackendError, WandbBackend
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # what a missing package (or dependency) looks like
     with pytest.raises(MetricsBackendError) as error:

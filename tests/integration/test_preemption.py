@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.integration.test_checkpoint import launch, run_to_end
-from torchtitan.components.checkpoint import complete_steps
+from torchtitan.components.checkpointing.checkpoint import complete_steps
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, online_env
-from torchtitan.components.checkpoint import complete_steps
+from torchtitan.components.checkpointing.checkpoint import complete_steps
 
 LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"
 NODES = 2

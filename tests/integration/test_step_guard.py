@@ -17,7 +17,7 @@ def inject(trainer, nonfinite=(), spikes=()):
     """Make chosen steps bad: an infinite embedding gradient (its norm is then inf/NaN), or the loss x 100."""
     embedding = trainer.model_parts[0].tok_embeddings.weight
     embedding.register_hook(lambda g: g * float("inf") if trainer.step + 1 in nonfinite else g)
-    # The objective scores every step (components/objective.py): its loss function is where a spike goes in.
+    # The objective scores every step (components/objectives/objective.py): its loss function is where a spike goes in.
     loss_fn = trainer.objective.loss_fn
     trainer.objective.loss_fn = lambda logits, labels, n: (
         loss_fn(logits, labels, n) * (100.0 if trainer.step + 1 in spikes else 1.0))

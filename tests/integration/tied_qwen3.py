@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from torchtitan.models.decoder_spec import decoder_train_spec
 from torchtitan.models.qwen3 import qwen3_flavors
+from torchtitan.models.shared.decoder_spec import decoder_train_spec
 from torchtitan.protocols import register_train_spec
 
 register_train_spec("qwen3_tied", decoder_train_spec(

@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
-from torchtitan.models.seeded_init import canonical_name
+from torchtitan.models.shared.decoder import Decoder
+from torchtitan.models.shared.seeded_init import canonical_name
 
 
 class HeldForBackward(TorchDispatchMode):

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from torchtitan.components.adamw_8bit import requantize_
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizers.adamw_8bit import requantize_
+from torchtitan.components.optimizers.optimizer import build_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models import amx_attention
-from torchtitan.models.attention import causal_attention
+from torchtitan.models.shared import amx_attention
+from torchtitan.models.shared.attention import causal_attention
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,seq,head_dim", [(2, 4, 4, 300, 16), (2, 8, 2, 257, 64)])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.unit.test_document_masking import random_document_ids
-from torchtitan.models import attention_kernels
-from torchtitan.models.attention import DocumentMask, attend
+from torchtitan.models.shared import attention_kernels
+from torchtitan.models.shared.attention import DocumentMask, attend
 
 
 def reference(q, k, v, sinks, window, ids=None):

@@ -19,17 +19,17 @@ from scripts import convert_from_hf, convert_to_hf
 from tests.bad_input import assert_one_line_error, snapshot
 from tests.unit.test_checkpoint_storage import FakeLoader
 from torchtitan import train
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpoint_states import ModelState, TrainState
-from torchtitan.components.checkpoint_storage import (
+from torchtitan.components.checkpointing.checkpoint import CheckpointManager
+from torchtitan.components.checkpointing.hf_folder import WEIGHTS_FILE, write_hf_folder
+from torchtitan.components.checkpointing.states import ModelState, TrainState
+from torchtitan.components.checkpointing.storage import (
     CheckpointError,
     SafeLoadPlanner,
     open_storage,
     verify_checkpoint,
 )
-from torchtitan.components.hf_checkpoint import WEIGHTS_FILE, write_hf_folder
-from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizers.optimizer import build_optimizer
 from torchtitan.components.step_guard import StepGuard
 from torchtitan.config import load_config
 from torchtitan.data import build_tokenizer

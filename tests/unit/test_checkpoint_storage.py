@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.integration.remote_trainer import register
-from torchtitan.components.checkpoint import config_problems
-from torchtitan.components.checkpoint_states import DataLoaderState
-from torchtitan.components.checkpoint_storage import (
+from torchtitan.components.checkpointing.checkpoint import config_problems
+from torchtitan.components.checkpointing.states import DataLoaderState
+from torchtitan.components.checkpointing.storage import (
     CheckpointError,
     checkpoint_location,
     open_storage,
@@ -202,7 +202,7 @@ def test_a_metrics_backend_that_cannot_be_imported_fails_validation_on_every_ran
 def test_on_resume_rank_0_alone_looks_at_the_folder_and_every_rank_raises_its_verdict(url, monkeypatch):
     """Ranks listing a URL folder while rank 0 removes a save cut short could see it half removed and disagree,
     one raising alone while the others wait for it: rank 0 checks and cleans, then every rank gets its verdict."""
-    from torchtitan.components import checkpoint
+    from torchtitan.components.checkpointing import checkpoint
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())

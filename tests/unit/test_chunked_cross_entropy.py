@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.loss import cross_entropy_sum
+from torchtitan.components.objectives.loss import cross_entropy_sum
 from torchtitan.data.dataset import IGNORE_INDEX
-from torchtitan.models.chunked_cross_entropy import ChunkedLinearCrossEntropy
+from torchtitan.models.shared.chunked_cross_entropy import ChunkedLinearCrossEntropy
 
 
 def close(ours: torch.Tensor, reference: torch.Tensor) -> None:
@@ -62,7 +62,7 @@ def test_without_labels_the_head_is_the_plain_projection():
 
 def test_a_model_with_the_chunked_head_trains_like_the_plain_one():
     """Through the decoder: same summed loss and parameter gradients as logits + cross-entropy."""
-    from torchtitan.models.chunked_cross_entropy import use_chunked_loss
+    from torchtitan.models.shared.chunked_cross_entropy import use_chunked_loss
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec("llama3")

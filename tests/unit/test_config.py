@@ -263,7 +263,7 @@ def test_malformed_configs_exit_2_from_both_entry_points(tmp_path, entry):
 
 
 def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
-    from torchtitan.components.checkpoint import config_problems
+    from torchtitan.components.checkpointing.checkpoint import config_problems
     from torchtitan.config.job_config import Checkpoint
 
     bad = Checkpoint(interval=0, keep_latest_k=-1, exclude_from_loading=["optimiser"], initial_load_path="/no/such")
@@ -283,7 +283,7 @@ def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
 
 
 def test_data_validation_and_converter_sections_are_checked_by_their_components(tmp_path):
-    from torchtitan.components.validate import config_problems as validation_problems
+    from torchtitan.components.evaluation.validate import config_problems as validation_problems
     from torchtitan.config.job_config import Validation
     from torchtitan.data.sources import source_problems
     from torchtitan.protocols.model_converter import config_problems as converter_problems

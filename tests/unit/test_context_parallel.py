@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from torchtitan.distributed import context_parallel as cpa
-from torchtitan.models import attention_kernels
+from torchtitan.models.shared import attention_kernels
 from torchtitan.distributed.context_parallel import (
     check_cp_seq_len,
     context_parallel_attention,
@@ -205,7 +205,7 @@ def _worker(rank, world, port, result_file):
     # Block-causal: random documents, many crossing the shard boundaries, against the explicitly masked full
     # attention.
     from tests.unit.test_document_masking import masked_reference, random_document_ids
-    from torchtitan.models.attention import DocumentMask
+    from torchtitan.models.shared.attention import DocumentMask
 
     for seq in (4 * world, 8 * world, 24 * world):
         for method in cpa.METHODS:

@@ -14,8 +14,8 @@ from tests.unit.test_context_parallel import _free_port
 from tests.unit.test_document_masking import random_document_ids
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.context_parallel_linear import cp_conv, cp_recurrence
-from torchtitan.models.attention import DocumentMask
-from torchtitan.models.gated_deltanet import GatedDeltaNet
+from torchtitan.models.shared.attention import DocumentMask
+from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
 
 TOL = 1e-10
 

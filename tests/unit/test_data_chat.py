@@ -249,7 +249,7 @@ def validate(*flags, config="train_configs/debug_model.toml", world_size=1):
 
 
 def test_config_matches_the_dataset_format_and_the_model():
-    from torchtitan.models.document_masking import DocumentMasking
+    from torchtitan.models.shared.document_masking import DocumentMasking
 
     cfg = validate("--training.dataset", "pydocs_chat", "--training.dataset_format", "chat")
     assert DocumentMasking.from_config(cfg.model, cfg.training) == DocumentMasking(True, True)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import TOKENIZER, run_module
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.validate import Validator
+from torchtitan.components.evaluation.validate import Validator
+from torchtitan.components.objectives.loss import build_cross_entropy_loss
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config.job_config import Validation
 from torchtitan.config_check import validate_config

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from torchtitan.components.hf_checkpoint import read_hf_model_state, read_safetensors, write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import read_hf_model_state, read_safetensors, write_hf_folder
 from torchtitan.config import load_config
 from torchtitan.data import build_tokenizer
 from torchtitan.inference import build_model, load_hf_weights, load_model
-from torchtitan.models.attention import DocumentMask, attend
 from torchtitan.models.deepseek_v3 import DeepseekV3StateDictAdapter, MultiHeadLatentAttention, deepseek_v3_flavors
-from torchtitan.models.rope import rope_table
+from torchtitan.models.shared.attention import DocumentMask, attend
+from torchtitan.models.shared.rope import rope_table
 from torchtitan.protocols import count_params
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"

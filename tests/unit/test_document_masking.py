@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tests.unit.test_model import _tiny
 from torchtitan.data import document_positions
 from torchtitan.distributed.context_parallel import METHODS, context_parallel_attention
-from torchtitan.models.attention import DocumentMask, attend, document_spans
+from torchtitan.models.shared.attention import DocumentMask, attend, document_spans
 
 
 def random_document_ids(generator, batch, seq, max_documents):
@@ -73,7 +73,7 @@ def test_single_rank_context_parallel_attention_honours_documents(method, use_ke
 def test_flex_block_mask_used_on_cuda_masks_like_the_reference():
     # flex attention has no CPU backward, so CPU runs the per-document kernel; the block mask CUDA uses is
     # checked here through flex attention's (compiled) CPU forward.
-    from torchtitan.models.attention import _flex_attention, _flex_block_mask
+    from torchtitan.models.shared.attention import _flex_attention, _flex_block_mask
 
     g = torch.Generator().manual_seed(3)
     ids = random_document_ids(g, 2, 256, 8)

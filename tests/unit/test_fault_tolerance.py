@@ -105,7 +105,7 @@ def test_fragments_are_runs_of_blocks_that_cover_every_weight_once():
 
 
 def test_sgd_is_plain_gradient_descent():
-    from torchtitan.components.optimizer import build_optimizer
+    from torchtitan.components.optimizers.optimizer import build_optimizer
     from torchtitan.config.job_config import Optimizer
 
     model = nn.Linear(3, 2)

@@ -5,8 +5,8 @@ context parallelism composes."""
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.gated_delta_rule import apply_incoming, chunk_transition, gated_delta_rule
-from torchtitan.models.gated_deltanet import causal_short_conv, document_resets
+from torchtitan.models.shared.gated_delta_rule import apply_incoming, chunk_transition, gated_delta_rule
+from torchtitan.models.shared.gated_deltanet import causal_short_conv, document_resets
 
 
 def recurrence(q, k, v, g, beta, resets=None, state=None):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.data import build_tokenizer
 from torchtitan.inference import load_model
 from torchtitan.models.gpt_oss import GptOssModel, GptOssStateDictAdapter, gpt_oss_flavors

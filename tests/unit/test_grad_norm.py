@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchtitan.components.optimizer import build_optimizer, clipped_step
+from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.distributed.device import device_type
 from torchtitan.distributed.grad_norm import clip_grads_, clip_scale, global_grad_norm

@@ -7,7 +7,7 @@ import pytest
 # (glibc grows the heap for the first few, until freed blocks coalesce into ones the next request fits).
 _SCRIPT = """
 import resource, sys, torch
-from torchtitan.components.host_memory import keep_freed_host_memory
+from torchtitan.components.metrics.host_memory import keep_freed_host_memory
 if sys.argv[1] == "keep":
     assert keep_freed_host_memory()
 for _ in range(12):

@@ -118,6 +118,6 @@ def test_models_import_neither_distributed_nor_components():
 
 
 def test_an_upward_import_is_named():
-    graph = {"torchtitan.models.moe": {"torchtitan.distributed.collectives", "torchtitan.log"}}
-    assert upward_imports(graph) == ["torchtitan.models.moe (models) imports torchtitan.distributed.collectives "
+    graph = {"torchtitan.models.shared.moe": {"torchtitan.distributed.collectives", "torchtitan.log"}}
+    assert upward_imports(graph) == ["torchtitan.models.shared.moe (models) imports torchtitan.distributed.collectives "
                                      "(distributed)"]

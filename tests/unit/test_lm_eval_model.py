@@ -1,4 +1,4 @@
-"""TitanLM (torchtitan/components/lm_eval_model.py) on hand-made requests: generation's stop strings and length limit, and
+"""TitanLM (torchtitan/components/evaluation/lm_eval_model.py) on hand-made requests: generation's stop strings and length limit, and
 log-likelihoods equal to a plain forward's."""
 
 import pytest
@@ -8,7 +8,7 @@ from lm_eval.api.instance import Instance
 from torch import nn
 
 from torchtitan.config import load_config
-from torchtitan.components.lm_eval_model import TitanLM
+from torchtitan.components.evaluation.lm_eval_model import TitanLM
 from torchtitan.inference import build_model
 from torchtitan.protocols.train_spec import get_train_spec
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from torchtitan.components.lr_scheduler import build_lr_scheduler, lr_factor
+from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler, lr_factor
 from torchtitan.config.job_config import LRScheduler
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3 import llama3_flavors
 from torchtitan.models.llama3.args import RopeScaling, scaled_rope_frequencies
-from torchtitan.models.rope import apply_rope
+from torchtitan.models.shared.decoder import Decoder
+from torchtitan.models.shared.rope import apply_rope
 from torchtitan.protocols import count_params
 
 

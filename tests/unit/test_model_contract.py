@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import torchtitan
-from torchtitan.models.moe import MoE, MoEArgs
+from torchtitan.models.shared.moe import MoE, MoEArgs
 
 PACKAGE = Path(torchtitan.__file__).parent
 MODELS = PACKAGE / "models"

@@ -1,4 +1,4 @@
-"""The MoE layer (models/moe.py) against plain references: fp32, fresh random inputs every run."""
+"""The MoE layer (models/shared/moe.py) against plain references: fp32, fresh random inputs every run."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchtitan.models.moe import GroupedExperts, MoE, MoEArgs, MoETraining, Router
+from torchtitan.models.shared.moe import GroupedExperts, MoE, MoEArgs, MoETraining, Router
 
 DIM, HIDDEN = 32, 16
 
@@ -270,8 +270,8 @@ def test_args_check_names_the_field():
 
 
 def test_flops_per_token_counts_active_parameters_by_hand():
-    from torchtitan.models.decoder import Decoder
     from torchtitan.models.qwen3_moe import qwen3_moe_flavors
+    from torchtitan.models.shared.decoder import Decoder
     from torchtitan.protocols import count_params
 
     args = qwen3_moe_flavors["debugmodel"].finalize(tokenizer_vocab_size=100, seq_len=32)
@@ -297,7 +297,7 @@ class _SlowedLoop:
     rows of every call."""
 
     def __init__(self, monkeypatch, seconds_per_row: float):
-        from torchtitan.models import moe as moe_module
+        from torchtitan.models.shared import moe as moe_module
 
         self.rows, self.ahead, real = [], 0.0, moe_module._looped_swiglu
 

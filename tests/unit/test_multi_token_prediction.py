@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
+from torchtitan.components.objectives.loss import build_cross_entropy_loss
+from torchtitan.components.objectives.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
 from torchtitan.data.dataset import IGNORE_INDEX, Batch
 from torchtitan.inference import build_model
-from torchtitan.models.chunked_cross_entropy import use_chunked_loss
-from torchtitan.models.decoder import TransformerBlock
 from torchtitan.models.deepseek_v3 import DeepseekV3Model, deepseek_v3_flavors
+from torchtitan.models.shared.chunked_cross_entropy import use_chunked_loss
+from torchtitan.models.shared.decoder import TransformerBlock
 from torchtitan.protocols import count_params
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"  # deepseek_v3 debug flavor with model.mtp_depth = 1

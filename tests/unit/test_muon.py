@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan.components.muon import MuonWithAdamW, lr_factor, newton_schulz, split_parameters
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizers.muon import MuonWithAdamW, lr_factor, newton_schulz, split_parameters
+from torchtitan.components.optimizers.optimizer import build_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -112,7 +112,7 @@ def test_the_routing_bias_is_not_a_parameter_of_either_group():
 
 
 def test_muon_optimizer_groups_and_lr_scheduler_scale_both():
-    from torchtitan.components.lr_scheduler import build_lr_scheduler
+    from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
     from torchtitan.config.job_config import LRScheduler
 
     model = debug_model("llama3")

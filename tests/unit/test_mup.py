@@ -1,4 +1,4 @@
-"""µP: the model's factors (models/mup.py), the learning-rate multipliers (components/mup.py), the [model.mup]
+"""µP: the model's factors (models/shared/mup.py), the learning-rate multipliers (components/optimizers/mup.py), the [model.mup]
 checks, and a coordinate check small enough for the suite (benchmarks/mup.py has the full tables)."""
 
 import math
@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from tests.unit.test_data_validation import config_error
-from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.mup import apply_lr_multipliers, base_lr, lr_multipliers
-from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
+from torchtitan.components.optimizers.mup import apply_lr_multipliers, base_lr, lr_multipliers
+from torchtitan.components.optimizers.optimizer import build_optimizer
 from torchtitan.config.job_config import LRScheduler, Optimizer
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.llama3.args import Llama3ModelArgs
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-from torchtitan.models.mup import hidden_matrices
 from torchtitan.models.qwen3_moe import qwen3_moe_flavors
+from torchtitan.models.shared.decoder import Decoder
+from torchtitan.models.shared.mup import hidden_matrices
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import mup as mup_benchmark  # noqa: E402

@@ -1,4 +1,4 @@
-"""Training objectives (components/objective.py): the losses and counts each one computes, against formulas
+"""Training objectives (components/objectives/objective.py): the losses and counts each one computes, against formulas
 written out here, on fresh random inputs; a custom objective registered from outside the package; the config
 check of training.objective."""
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tests import z_loss_objective
-from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.objective import OBJECTIVES, NextToken, NextTokenWithMTP, build_objective
+from torchtitan.components.objectives.loss import build_cross_entropy_loss
+from torchtitan.components.objectives.objective import OBJECTIVES, NextToken, NextTokenWithMTP, build_objective
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
 from torchtitan.data.dataset import IGNORE_INDEX, Batch

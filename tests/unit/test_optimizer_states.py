@@ -10,8 +10,8 @@ import torch
 
 from tests.bad_input import run_entry_point
 from tests.unit.test_muon import debug_model, steps_of
-from torchtitan.components.muon import MuonWithAdamW
-from torchtitan.components.optimizer import KERNEL_FLAGS, build_optimizer
+from torchtitan.components.optimizers.muon import MuonWithAdamW
+from torchtitan.components.optimizers.optimizer import KERNEL_FLAGS, build_optimizer
 from torchtitan.config.job_config import Optimizer as OptimizerConfig
 
 
@@ -138,7 +138,7 @@ def test_the_planner_counts_the_optimizer_state_that_is_allocated(preset):
 def test_the_planner_counts_optimizer_state_of_the_adapters_only_under_lora():
     """With LoRA the planner's optimizer bytes are those of the adapters, which the trainer's optimizer alone
     holds: AdamW's two float32 moments per adapter weight."""
-    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.components.lora.converter import LoRAConverter
     from torchtitan.config import load_config
     from torchtitan.planner import model_shape, predict_memory, resolve_layout
     from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -165,9 +165,9 @@ def test_the_planner_counts_optimizer_state_of_the_adapters_only_under_lora():
 def test_the_planner_counts_an_nf4_base_at_the_bytes_torchao_allocates():
     """QLoRA: the planner's parameter bytes equal those of the materialised model, whose NF4 weights are counted
     by torchao's inner tensors (codes and scales)."""
-    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.components.lora.converter import LoRAConverter
     from torchtitan.config import load_config
-    from torchtitan.models.lora import is_nf4
+    from torchtitan.models.shared.lora import is_nf4
     from torchtitan.planner import model_shape, predict_memory, resolve_layout
     from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 

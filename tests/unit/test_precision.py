@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components import peak_flops
+from torchtitan.components.metrics import peak_flops
 from torchtitan.config import load_config
 from torchtitan.config_check import validate_config
 from torchtitan.distributed import precision

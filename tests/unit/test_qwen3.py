@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.qwen3 import Qwen3StateDictAdapter, qwen3_flavors
+from torchtitan.models.shared.decoder import Decoder
 from torchtitan.protocols import count_params
 from torchtitan.protocols.train_spec import get_train_spec
 

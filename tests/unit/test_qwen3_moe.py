@@ -8,15 +8,15 @@ import pytest
 import torch
 import transformers
 
-from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config.job_config import Parallelism
 from torchtitan.config_check import validate_config
 from torchtitan.data import build_tokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.inference import load_model
-from torchtitan.models.decoder import Decoder
 from torchtitan.models.qwen3_moe import Qwen3MoeStateDictAdapter, qwen3_moe_flavors
+from torchtitan.models.shared.decoder import Decoder
 from torchtitan.protocols import count_params
 
 CONFIG = "train_configs/qwen3_moe_debug.toml"

@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from torchtitan.components.hf_checkpoint import write_hf_folder
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.data import build_tokenizer
 from torchtitan.inference import load_model
-from torchtitan.models.gated_deltanet import GatedDeltaNet
 from torchtitan.models.qwen3_next import Qwen3NextModel, Qwen3NextStateDictAdapter, qwen3_next_flavors
 from torchtitan.models.qwen3_next.model import GatedAttention
+from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
 from torchtitan.protocols import count_params
 
 CONFIG = "train_configs/qwen3_next_debug.toml"
@@ -145,7 +145,7 @@ def test_released_multi_token_prediction_tensors_are_skipped_on_import():
 
 
 def test_muon_leaves_conv_filters_and_the_shared_gate_to_adamw():
-    from torchtitan.components.muon import split_parameters
+    from torchtitan.components.optimizers.muon import split_parameters
 
     muon, adamw = split_parameters([_random_model(seed=2)])
     muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}

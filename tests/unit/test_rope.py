@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan.models.rope import apply_rope, rope_frequencies, rope_table
+from torchtitan.models.shared.rope import apply_rope, rope_frequencies, rope_table
 
 
 def reference_rope(x: torch.Tensor, table: torch.Tensor, convention: str) -> torch.Tensor:

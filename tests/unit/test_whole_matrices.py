@@ -37,8 +37,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    from torchtitan.components import muon
-    from torchtitan.components.muon import MuonWithAdamW
+    from torchtitan.components.optimizers import muon
+    from torchtitan.components.optimizers.muon import MuonWithAdamW
     from torchtitan.config.job_config import Optimizer as OptimizerConfig
     from torchtitan.distributed.whole_matrices import WholeMatrices
 

@@ -7,8 +7,8 @@ the DecoderArgs interface alone.
 import dataclasses
 from dataclasses import dataclass
 
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.decoder_spec import decoder_train_spec
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.decoder_spec import decoder_train_spec
 from torchtitan.protocols import register_train_spec
 
 

@@ -6,7 +6,7 @@ over every data-parallel and context-parallel rank (expert-parallel ranks are am
 ranks route the same tokens and are not summed), so all ranks see the same loads. With
 ``moe.bias_update_rate`` r > 0 each expert's routing bias then moves by r * sign(mean load - load): an
 overloaded expert becomes less likely to be chosen, an idle one more. The bias steers the choice only, never
-the weights (models/moe.py).
+the weights (models/shared/moe.py).
 """
 
 import math
@@ -24,8 +24,8 @@ from torchtitan.distributed.collectives import sum_now
 from torchtitan.distributed.device import rank as device_rank
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.log import logger
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.moe import GroupedExperts, MoE, MoETraining, grouped_mm_supported
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.moe import GroupedExperts, MoE, MoETraining, grouped_mm_supported
 from torchtitan.protocols.model import BaseModelArgs
 
 EXPERT_PATH_CACHE_FILE = "expert_path.json"

@@ -278,7 +278,7 @@ class ReplicaGroups(Stateful):
 
 
 def _named_tensors(part: nn.Module):
-    from torchtitan.models.seeded_init import canonical_name
+    from torchtitan.models.shared.seeded_init import canonical_name
 
     for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
         if isinstance(tensor, DTensor):

@@ -1,6 +1,6 @@
 """Parallelizing a model, always in the order TP (and EP) -> CP -> AC -> compile -> FSDP/HSDP or DDP.
 
-``parallelize_decoder`` does it all for models built on the shared decoder (models/decoder.py), with the
+``parallelize_decoder`` does it all for models built on the shared decoder (models/shared/decoder.py), with the
 family's tensor-parallel block plan. A model of another shape brings its own TrainSpec.parallelize_fn, which
 applies its own tensor-parallel plan and then calls ``apply_ac_compile_and_data_parallel``, the
 model-independent rest (MoE layers included). ``parallelize_fn_of`` and ``pipelining_fn_of`` choose.
@@ -22,8 +22,8 @@ from torchtitan.distributed.expert_parallel import apply_moe_parallel
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import build_pipeline
 from torchtitan.distributed.tensor_parallel import apply_decoder_tp, enable_async_tp
-from torchtitan.models.decoder import Decoder
-from torchtitan.models.document_masking import DocumentMasking
+from torchtitan.models.shared.decoder import Decoder
+from torchtitan.models.shared.document_masking import DocumentMasking
 from torchtitan.protocols.tensor_parallel_plan import BlockPlan
 from torchtitan.protocols.train_spec import TrainSpec
 

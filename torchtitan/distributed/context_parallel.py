@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
 from torchtitan.log import logger
-from torchtitan.models.attention import DocumentMask, document_spans, with_value_head_size
-from torchtitan.models.attention_kernels import (
+from torchtitan.models.shared.attention import DocumentMask, document_spans, with_value_head_size
+from torchtitan.models.shared.attention_kernels import (
     _compute_dtype,
     _pick_kernel,
     _run_block,
@@ -474,7 +474,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``use_kernel=False`` forces the pure-PyTorch math blocks instead of the fused SDPA kernels.
     ``documents`` (this rank's head-tail shard of the document ids) makes it block-causal: no token
     attends across a document boundary, also where a document spans several ranks. ``window`` and ``sinks`` as in
-    models/attention.py: a sliding window (blocks outside every query's window are skipped) and a learned logit
+    models/shared/attention.py: a sliding window (blocks outside every query's window are skipped) and a learned logit
     per head (H,) joining each query's softmax once.
     """
     if method not in METHODS:

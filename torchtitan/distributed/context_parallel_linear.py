@@ -4,7 +4,7 @@ Each rank holds the head-tail shard of the sequence that context-parallel attent
 global chunks r and 2*cp-1-r of 2*cp equal ones. A linear layer's output on a chunk depends on everything before
 it only through two things: the conv's last kernel-1 inputs of the previous chunk, and the recurrent state
 entering the chunk. The conv's history is one all-gather of every chunk's last inputs. The state is affine: a
-chunk maps an incoming state S to M S + N and its outputs are o0 + S^T qt (models/gated_delta_rule.py,
+chunk maps an incoming state S to M S + N and its outputs are o0 + S^T qt (models/shared/gated_delta_rule.py,
 chunk_transition), so every rank computes its two chunks' (M, N, o0, qt) from a zero start, all-gathers the
 (M, N) pairs (K x (K + V) per head and chunk, independent of the sequence length), composes them in sequence order
 to get the true state entering each of its chunks, and finishes its outputs. Documents crossing a cut are exact:
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.context_parallel import full_document_ids
-from torchtitan.models.attention import DocumentMask
-from torchtitan.models.gated_delta_rule import apply_incoming, chunk_transition
-from torchtitan.models.gated_deltanet import causal_short_conv, document_resets, recurrence_kernel
+from torchtitan.models.shared.attention import DocumentMask
+from torchtitan.models.shared.gated_delta_rule import apply_incoming, chunk_transition
+from torchtitan.models.shared.gated_deltanet import causal_short_conv, document_resets, recurrence_kernel
 
 
 class _AllGather(torch.autograd.Function):

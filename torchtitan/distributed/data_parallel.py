@@ -7,8 +7,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.hardware import DTYPES
-from torchtitan.models.lora import nf4_weights
-from torchtitan.models.moe import GroupedExperts
+from torchtitan.models.shared.lora import nf4_weights
+from torchtitan.models.shared.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -30,7 +30,7 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if nf4 := nf4_weights(model):
-        kwargs["ignored_params"] = nf4  # a QLoRA base: whole on every rank, in NF4 (models/lora.py)
+        kwargs["ignored_params"] = nf4  # a QLoRA base: whole on every rank, in NF4 (models/shared/lora.py)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     # With PP each micro-batch re-runs forward, so resharding would re-gather the weights every time.

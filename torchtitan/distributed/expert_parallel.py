@@ -1,4 +1,4 @@
-"""Expert parallelism, and how the other parallelisms reach the MoE layer (models/moe.py).
+"""Expert parallelism, and how the other parallelisms reach the MoE layer (models/shared/moe.py).
 
 Under expert parallelism (EP) each of the ``ep`` ranks of a group holds ``num_experts / ep`` experts. A MoE
 layer routes its own tokens, sorts them by expert, and then:
@@ -29,7 +29,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.moe import GroupedExperts, MoE, MoEParallelism
+from torchtitan.models.shared.moe import GroupedExperts, MoE, MoEParallelism
 
 
 class _AllToAll(torch.autograd.Function):

@@ -36,8 +36,8 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config.job_config import Model, Parallelism, Training, Validation
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.moe import MoE
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.moe import MoE
 
 # The schedules users pick by name (all in torch 2.13), and which of them run several stages per rank.
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
-from torchtitan.models.lora import is_adapted
+from torchtitan.models.shared.lora import is_adapted
 from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole, SplitByHeads
 
 # QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
@@ -93,7 +93,7 @@ def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[t
 
 
 def grouped_query_attention_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """The block's attention (models/decoder.py Attention): whole heads per rank, QK-norm where it has one."""
+    """The block's attention (models/shared/decoder.py Attention): whole heads per rank, QK-norm where it has one."""
     return {
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
         "attention.wq": ColwiseParallel(),
@@ -220,7 +220,7 @@ def _style(entry: ParallelStyle | ComputeWhole | SplitByHeads, module: nn.Module
 
 def _split_adapted(name: str, module: nn.Module, mesh: DeviceMesh,
                    placements: dict[str, tuple[Placement, Placement]]) -> None:
-    """Partition an adapted Linear (models/lora.py): distribute_module calls this for the Linear ("") and each
+    """Partition an adapted Linear (models/shared/lora.py): distribute_module calls this for the Linear ("") and each
     child; ``placements`` gives each one's (weight, bias) placement."""
     for pname, param in list(module.named_parameters(recurse=False)):
         placement = placements[name][0 if pname == "weight" else 1]

@@ -12,7 +12,7 @@ class BaseModelArgs:
     """Hyper-parameters of one model flavor.
 
     A family subclasses this with its own fields; the trainer relies only on the fields and methods below
-    (models/decoder_args.py adds the shared decoder's, which parallelism and the planner read).
+    (models/shared/decoder_args.py adds the shared decoder's, which parallelism and the planner read).
     """
 
     # Keyword-only, so a family's own fields may come without defaults.

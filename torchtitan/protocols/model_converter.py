@@ -26,7 +26,7 @@ class ModelConverter(Protocol):
 
 
 CONVERTERS: Registry[type] = Registry("model converter", builtin_modules=("torchtitan.components.float8",
-                                                                          "torchtitan.components.lora"))
+                                                                          "torchtitan.components.lora.converter"))
 
 
 def register_model_converter(name: str, converter_cls: type) -> None:

@@ -36,11 +36,11 @@ class TrainSpec:
     tp_block_plan: BlockPlan | None = None
     """A shared-decoder family's tensor-parallel plan of a block (None: grouped-query attention's)."""
     build_optimizer_fn: Callable[..., Any] | None = None
-    """None: components/optimizer.build_optimizer."""
+    """None: components/optimizers/optimizer.build_optimizer."""
     build_lr_scheduler_fn: Callable[..., Any] | None = None
-    """None: components/lr_scheduler.build_lr_scheduler."""
+    """None: components/optimizers/lr_scheduler.build_lr_scheduler."""
     build_loss_fn: Callable[..., Any] | None = None
-    """None: components/loss.build_cross_entropy_loss."""
+    """None: components/objectives/loss.build_cross_entropy_loss."""
     build_dataloader_fn: Callable[..., Any] = build_dataloader
     build_tokenizer_fn: Callable[..., Any] = build_tokenizer
     state_dict_adapter: type | None = None
@@ -51,7 +51,7 @@ BUILTIN_FAMILIES = ("torchtitan.models.llama3", "torchtitan.models.qwen3", "torc
                     "torchtitan.models.deepseek_v3", "torchtitan.models.qwen3_next",
                     "torchtitan.models.gpt_oss")
 """The modules that register the built-in families when imported; the registry imports them on its first lookup,
-so importing a shared piece (say models.moe) does not pull every family in."""
+so importing a shared piece (say models.shared.moe) does not pull every family in."""
 TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=BUILTIN_FAMILIES)
 
 

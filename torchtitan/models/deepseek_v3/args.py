@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.moe import MoEArgs
-from torchtitan.models.rope import RopeConvention, yarn_frequencies, yarn_mscale
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.moe import MoEArgs
+from torchtitan.models.shared.rope import RopeConvention, yarn_frequencies, yarn_mscale
 
 
 @dataclass

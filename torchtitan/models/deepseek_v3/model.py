@@ -10,19 +10,19 @@ Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1), per to
     out      = wo(attention(q, k, v, scale = softmax_scale))
 
 The attention kernels take the explicit softmax scale (YaRN's correction) and values narrower than the
-queries (models/attention.py). Everything else is the shared decoder's: blocks, MoE, norms, output; multi-token
+queries (models/shared/attention.py). Everything else is the shared decoder's: blocks, MoE, norms, output; multi-token
 prediction adds blocks after the main ones (MultiTokenPredictionBlock).
 """
 
 import torch
 from torch import nn
 
-from torchtitan.models.attention import DocumentMask, attend
-from torchtitan.models.decoder import Decoder, TransformerBlock
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
-from torchtitan.models.feed_forward import FeedForward
-from torchtitan.models.moe import MoE
-from torchtitan.models.rope import apply_rope
+from torchtitan.models.shared.attention import DocumentMask, attend
+from torchtitan.models.shared.decoder import Decoder, TransformerBlock
+from torchtitan.models.shared.feed_forward import FeedForward
+from torchtitan.models.shared.moe import MoE
+from torchtitan.models.shared.rope import apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -117,7 +117,7 @@ class DeepseekV3Model(Decoder):
                 mtp_tokens: torch.Tensor | None = None,
                 mtp_labels: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """As Decoder.forward; with ``mtp_tokens`` (batch, mtp_depth, seq), the token k places ahead of each
-        position for depth k (components/multi_token_prediction.py), it returns (main output, the output of each
+        position for depth k (components/objectives/multi_token_prediction.py), it returns (main output, the output of each
         depth ...): logits, or with ``labels`` the summed losses against ``mtp_labels`` (batch, depth, seq)."""
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         documents = self._documents(document_ids)

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
 
 

@@ -12,9 +12,9 @@ width 2880, vocabulary 201,088, window 128, rope theta 150,000 with YaRN factor 
 
 from dataclasses import dataclass, field
 
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.moe import MoEArgs
-from torchtitan.models.rope import RopeConvention, yarn_frequencies, yarn_mscale
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.moe import MoEArgs
+from torchtitan.models.shared.rope import RopeConvention, yarn_frequencies, yarn_mscale
 
 GPT_OSS_VOCAB = 201088
 

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.models.attention import DocumentMask
-from torchtitan.models.decoder import Attention, Decoder, TransformerBlock
-from torchtitan.models.feed_forward import FeedForward
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
-from torchtitan.models.moe import MoE
-from torchtitan.models.rope import apply_rope
-from torchtitan.models.seeded_init import FillFn
+from torchtitan.models.shared.attention import DocumentMask
+from torchtitan.models.shared.decoder import Attention, Decoder, TransformerBlock
+from torchtitan.models.shared.feed_forward import FeedForward
+from torchtitan.models.shared.moe import MoE
+from torchtitan.models.shared.rope import apply_rope
+from torchtitan.models.shared.seeded_init import FillFn
 
 
 class SinkLogits(nn.Module):

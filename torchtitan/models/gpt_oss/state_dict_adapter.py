@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
 
 _OURS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w1|w2|w3|b1|b2|b3)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")

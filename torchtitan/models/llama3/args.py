@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.rope import rope_frequencies
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.rope import rope_frequencies
 
 
 @dataclass

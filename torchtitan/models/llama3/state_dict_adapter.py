@@ -4,8 +4,8 @@ Our RoPE rotates adjacent channel pairs, transformers' the two halves of each he
 permutes the q and k projection rows between the two.
 """
 
-from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.llama3.args import Llama3ModelArgs
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
 
 
 class Llama3StateDictAdapter(DecoderStateDictAdapter):

@@ -7,8 +7,8 @@ so n_heads * head_dim may differ from dim (Qwen3-0.6B: 16 x 128 = 2048 against d
 
 from dataclasses import dataclass
 
-from torchtitan.models.decoder_args import DecoderArgs
-from torchtitan.models.rope import RopeConvention
+from torchtitan.models.shared.decoder_args import DecoderArgs
+from torchtitan.models.shared.rope import RopeConvention
 
 
 @dataclass

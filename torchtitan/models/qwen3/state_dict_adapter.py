@@ -5,8 +5,8 @@ Both sides rotate the two halves of each head in RoPE, so tensors map one to one
 
 from typing import ClassVar
 
-from torchtitan.models.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.qwen3.args import Qwen3ModelArgs
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
 
 
 class Qwen3StateDictAdapter(DecoderStateDictAdapter):

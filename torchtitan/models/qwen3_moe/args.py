@@ -12,8 +12,8 @@ model (24 layers, rope theta 1e4, norm_topk_prob false).
 
 from dataclasses import dataclass, field
 
-from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.args import QWEN3_VOCAB, Qwen3ModelArgs
+from torchtitan.models.shared.moe import MoEArgs
 
 
 @dataclass

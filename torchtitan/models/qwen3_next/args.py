@@ -1,7 +1,7 @@
 """Qwen3-Next hyper-parameters and the named flavors.
 
 A hybrid: of every ``full_attention_interval`` blocks, the last uses gated attention and the others Gated DeltaNet
-(models/gated_deltanet.py); every block's feed-forward is a Mixture-of-Experts with one sigmoid-gated shared
+(models/shared/gated_deltanet.py); every block's feed-forward is a Mixture-of-Experts with one sigmoid-gated shared
 expert. The attention is Qwen3's (QK-norm, RoPE over the halves of the rotary channels) with only the first
 ``partial_rotary_factor`` of each head rotated and a sigmoid output gate.
 
@@ -14,9 +14,9 @@ released Qwen/Qwen3-Next-80B-A3B config.json.
 import dataclasses
 from dataclasses import dataclass, field
 
-from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3.args import QWEN3_VOCAB, Qwen3ModelArgs
-from torchtitan.models.rope import rope_frequencies
+from torchtitan.models.shared.moe import MoEArgs
+from torchtitan.models.shared.rope import rope_frequencies
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

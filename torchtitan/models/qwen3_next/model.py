@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.attention import DocumentMask
-from torchtitan.models.decoder import Attention, Decoder, TransformerBlock
-from torchtitan.models.feed_forward import FeedForward
-from torchtitan.models.gated_deltanet import GatedDeltaNet, gated_deltanet_fill
-from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3_next.args import FULL, Qwen3NextModelArgs
-from torchtitan.models.rope import apply_rope
-from torchtitan.models.seeded_init import FillFn
+from torchtitan.models.shared.attention import DocumentMask
+from torchtitan.models.shared.decoder import Attention, Decoder, TransformerBlock
+from torchtitan.models.shared.feed_forward import FeedForward
+from torchtitan.models.shared.gated_deltanet import GatedDeltaNet, gated_deltanet_fill
+from torchtitan.models.shared.moe import MoE
+from torchtitan.models.shared.rope import apply_rope
+from torchtitan.models.shared.seeded_init import FillFn
 
 ZERO_CENTRED = ("attention_norm.weight", "ffn_norm.weight", "attention.q_norm.weight", "attention.k_norm.weight")
 

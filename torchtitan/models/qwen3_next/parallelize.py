@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchtitan.models.gated_deltanet import GatedDeltaNet
+from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
 from torchtitan.protocols.tensor_parallel_plan import SplitByHeads
 
 # Per-head norms: their input (batch, seq, heads, channels) is split on the heads (dim 2).

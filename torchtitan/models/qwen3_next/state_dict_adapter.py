@@ -12,9 +12,9 @@ from typing import ClassVar
 import torch
 
 from torchtitan.log import logger
-from torchtitan.models.decoder_state_dict_adapter import UnexpectedWeightError
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from torchtitan.models.qwen3_next.args import LINEAR, Qwen3NextModelArgs
+from torchtitan.models.shared.decoder_state_dict_adapter import UnexpectedWeightError
 
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

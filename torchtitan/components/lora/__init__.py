@@ -1,0 +1,1 @@
+"""LoRA and QLoRA fine-tuning: the "lora" model converter and adapters in PEFT's format."""
