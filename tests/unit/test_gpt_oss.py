@@ -86,3 +86,16 @@ def test_mxfp4_expert_weights_are_refused_naming_what_to_use():
     adapter = GptOssStateDictAdapter(gpt_oss_flavors["debugmodel"].finalize(2048, 64))
     with pytest.raises(ValueError, match="MXFP4.*bf16 copy"):
         adapter.from_hf({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)})
+
+
+def test_the_tensor_parallel_plan_extends_grouped_query_attentions_with_the_sinks():
+    from torchtitan.models.gpt_oss.parallelize import gpt_oss_block_plan
+    from torchtitan.models.shared.tensor_parallel_plan import grouped_query_attention_plan
+    from torchtitan.protocols.tensor_parallel_plan import SplitByHeads
+
+    with torch.device("meta"):
+        block = GptOssModel(gpt_oss_flavors["debugmodel"].finalize(2048, 64)).layers["0"]
+    plan, shared = gpt_oss_block_plan(block), grouped_query_attention_plan(block)
+    assert plan.keys() - shared.keys() == {"attention.sinks"} and isinstance(plan["attention.sinks"], SplitByHeads)
+    assert all(type(plan[name]) is type(style) for name, style in shared.items())
+    assert all(name in dict(block.named_modules()) or name in dict(block.named_parameters()) for name in plan)

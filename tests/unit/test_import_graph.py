@@ -1,7 +1,11 @@
-"""The package's modules import each other without cycles (deferred imports inside functions count too)."""
+"""The package's modules import each other without cycles (deferred imports inside functions count too), run
+down the floors, and sit in the rooms README's Layout table names."""
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 import torchtitan
 
@@ -121,3 +125,65 @@ def test_an_upward_import_is_named():
     graph = {"torchtitan.models.shared.moe": {"torchtitan.distributed.collectives", "torchtitan.log"}}
     assert upward_imports(graph) == ["torchtitan.models.shared.moe (models) imports torchtitan.distributed.collectives "
                                      "(distributed)"]
+
+
+# The rooms inside a floor: each (package, its subpackages by idea, the modules that stay single). A new module of
+# components/ or models/ goes into a room or is named here, so neither grows back into one flat folder.
+ROOMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "torchtitan.components": (
+        ("checkpointing", "optimizers", "objectives", "evaluation", "metrics", "lora"),
+        ("expert_load", "fault_tolerance", "float8", "preemption", "step_guard"),
+    ),
+    "torchtitan.models": (
+        ("shared", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss"),
+        (),
+    ),
+}
+# Import paths docs/extending.md, examples/ and tests/z_loss_objective.py gave before their modules moved into rooms:
+# each is the moved module itself under its old name.
+OLD_IMPORT_PATHS = {
+    "torchtitan.models.decoder_args": "torchtitan.models.shared.decoder_args",
+    "torchtitan.models.decoder_spec": "torchtitan.models.shared.decoder_spec",
+    "torchtitan.models.decoder": "torchtitan.models.shared.decoder",
+    "torchtitan.models.moe": "torchtitan.models.shared.moe",
+    "torchtitan.models.decoder_state_dict_adapter": "torchtitan.models.shared.decoder_state_dict_adapter",
+    "torchtitan.models.seeded_init": "torchtitan.models.shared.seeded_init",
+    "torchtitan.models.attention": "torchtitan.models.shared.attention",
+    "torchtitan.components.objective": "torchtitan.components.objectives.objective",
+}
+
+
+def rooms_problems(modules: list[str]) -> list[str]:
+    problems = []
+    for package, (rooms, singles) in ROOMS.items():
+        for module in modules:
+            if not module.startswith(package + "."):
+                continue
+            first = module[len(package) + 1:].split(".")[0]
+            if first not in rooms + singles and module not in OLD_IMPORT_PATHS:
+                problems.append(f"{module} is in no room of {package}: move it into one of {rooms} or name it "
+                                "as a single")
+    return problems
+
+
+def test_every_component_and_model_module_sits_in_a_room():
+    graph = import_graph()
+    assert rooms_problems(sorted(graph)) == []
+    for package, (rooms, singles) in ROOMS.items():
+        for name in rooms + singles:  # each room and single exists
+            assert any(m == f"{package}.{name}" for m in graph), f"{package}.{name}"
+
+
+def test_a_module_outside_the_rooms_is_named():
+    assert rooms_problems(["torchtitan.components.grab_bag", "torchtitan.components.metrics.logger"]) == [
+        "torchtitan.components.grab_bag is in no room of torchtitan.components: move it into one of ('checkpointing', "
+        "'optimizers', 'objectives', 'evaluation', 'metrics', 'lora') or name it as a single"]
+
+
+@pytest.mark.parametrize("old", sorted(OLD_IMPORT_PATHS))
+def test_the_documented_import_paths_still_import_the_moved_modules(old):
+    moved = importlib.import_module(OLD_IMPORT_PATHS[old])
+    assert importlib.import_module(old) is moved
+    # ``from old import name`` gives the moved module's object (one class, not a copy).
+    public = [name for name in vars(moved) if not name.startswith("_")]
+    assert public and all(getattr(importlib.import_module(old), name) is getattr(moved, name) for name in public)

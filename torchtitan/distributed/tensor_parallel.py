@@ -29,15 +29,8 @@ from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
 from torchtitan.distributed.device import device_type
 from torchtitan.models.shared.lora import is_adapted
+from torchtitan.models.shared.tensor_parallel_plan import grouped_query_attention_plan
 from torchtitan.protocols.tensor_parallel_plan import BlockPlan, ComputeWhole, SplitByHeads
-
-# QK-norm acts on each rank's local heads with the full (replicated) head_dim weight. Declaring its input
-# as sharded on the heads dimension (2 of batch, seq, heads, head_dim) makes the weight a replicated
-# DTensor, so its gradient, a partial sum over each rank's heads, is all-reduced over the TP ranks. A plain
-# weight would keep a different partial gradient on every rank (and, being the only non-DTensor
-# parameter, make grad-norm clipping fail on the mix).
-_QK_NORM_PLAN = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
-                 for name in ("attention.q_norm", "attention.k_norm")}
 
 
 def _feed_forward_plan(block: nn.Module) -> dict[str, ParallelStyle]:
@@ -90,18 +83,6 @@ def config_problems(p: Parallelism, t: Training, compile_cfg: Compile) -> list[t
         if not compile_cfg.enable:
             return [(key, "needs compile.enable = true (it works on compiled graphs)")]
     return []
-
-
-def grouped_query_attention_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """The block's attention (models/shared/decoder.py Attention): whole heads per rank, QK-norm where it has one."""
-    return {
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        **(_QK_NORM_PLAN if getattr(block.attention, "q_norm", None) is not None else {}),
-    }
 
 
 class ReplicatedParallel(ParallelStyle):

@@ -12,34 +12,21 @@ sums, which ColwiseParallel adds up; so the rank-local recurrence needs no commu
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
+from torchtitan.models.shared.tensor_parallel_plan import PER_HEAD_NORM, grouped_query_attention_plan
 from torchtitan.protocols.tensor_parallel_plan import SplitByHeads
-
-# Per-head norms: their input (batch, seq, heads, channels) is split on the heads (dim 2).
-_PER_HEAD_NORM = SequenceParallel(sequence_dim=2, use_local_output=True)
 
 
 def qwen3_next_block_plan(block: nn.Module) -> dict[str, ParallelStyle | SplitByHeads]:
-    plan: dict[str, ParallelStyle | SplitByHeads] = {
+    if not isinstance(block.attention, GatedDeltaNet):
+        return grouped_query_attention_plan(block)  # gated attention: wq's rows hold each head's query and gate
+    return {
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        **{f"attention.{name}": ColwiseParallel() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+        "attention.conv": SplitByHeads(),
+        "attention.decay": SplitByHeads(),
+        "attention.norm": PER_HEAD_NORM,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
     }
-    if isinstance(block.attention, GatedDeltaNet):
-        return plan | {
-            **{f"attention.{name}": ColwiseParallel() for name in ("in_proj_qkv", "in_proj_z", "in_proj_b",
-                                                                    "in_proj_a")},
-            "attention.conv": SplitByHeads(),
-            "attention.decay": SplitByHeads(),
-            "attention.norm": _PER_HEAD_NORM,
-        }
-    return plan | {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                   "attention.wv": ColwiseParallel(), "attention.q_norm": _PER_HEAD_NORM,
-                   "attention.k_norm": _PER_HEAD_NORM}

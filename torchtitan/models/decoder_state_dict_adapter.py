@@ -1,0 +1,8 @@
+"""The import path docs/extending.md gave before torchtitan.models.shared.decoder_state_dict_adapter moved into its room: the same module
+under its old name, so code written against it keeps working (tests/unit/test_import_graph.py imports each)."""
+
+import sys
+
+from torchtitan.models.shared import decoder_state_dict_adapter
+
+sys.modules[__name__] = decoder_state_dict_adapter
