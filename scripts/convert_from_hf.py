@@ -3,7 +3,8 @@
     python scripts/convert_from_hf.py hf_model outputs/seed --config train_configs/llama3_8b.toml
 
 The output is a DCP folder holding the model weights; start training from it with
---checkpoint.initial_load_path outputs/seed (or load it with torchtitan.load_model).
+--checkpoint.initial_load_path outputs/seed (or load it with torchtitan.load_model). The output folder must be new
+or empty; it is written whole or not at all (torchtitan/output_folder.py).
 """
 
 import argparse
@@ -17,6 +18,7 @@ from torchtitan.components.checkpointing.hf_folder import is_hf_folder
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.config import ConfigError, load_config
 from torchtitan.inference import build_model, load_hf_weights
+from torchtitan.output_folder import OutputError, folder_problem, written_whole
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output", type=Path)
     parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")
     args = parser.parse_args(argv)
+    if problem := folder_problem(args.output):  # before anything is read: nothing of the user's is touched
+        print(f"error: output {args.output} {problem}", file=sys.stderr)
+        return 2
     if not is_hf_folder(args.hf_folder):
         print(f"error: {args.hf_folder} has no config.json and *.safetensors", file=sys.stderr)
         return 2
@@ -35,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, KeyError, ValueError) as e:  # ValueError: a model HF cannot express
         print(f"error: {e}", file=sys.stderr)
         return 2
-    dcp.save({"model": ModelState([model])}, checkpoint_id=str(args.output), no_dist=True)
+    try:
+        with written_whole(args.output) as folder:
+            dcp.save({"model": ModelState([model])}, checkpoint_id=str(folder), no_dist=True)
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote a torchtitan model checkpoint to {args.output}")
     return 0
 

@@ -9,6 +9,8 @@ A LoRA run's checkpoint (its base from the config's checkpoint.initial_load_path
 ``--merge_lora`` (the adapters folded into the base: a plain model folder) or ``--lora_adapter`` (a PEFT
 adapter folder, adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained on top of
 the base's Hugging Face folder).
+
+The output folder must be new or empty; it is written whole or not at all (torchtitan/output_folder.py).
 """
 
 import argparse
@@ -22,6 +24,7 @@ from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
+from torchtitan.output_folder import OutputError, folder_problem, written_whole
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     lora.add_argument("--lora_adapter", action="store_true",
                       help="a LoRA checkpoint: write its adapters as a PEFT adapter folder")
     args = parser.parse_args(argv)
+    if problem := folder_problem(args.output):  # before the checkpoint is read: nothing of the user's is touched
+        print(f"error: output {args.output} {problem}", file=sys.stderr)
+        return 2
     try:
         cfg, _ = load_config(["--job.config_file", args.config])
         include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp
@@ -74,19 +80,22 @@ def main(argv: list[str] | None = None) -> int:
         adapter.include_mtp = True
     state = model.state_dict()
     try:
-        if args.lora_adapter:
-            rank, alpha, dropout = adapter_settings(model)
-            count = write_peft_adapter(args.output, state, adapter, rank, alpha, dropout, dtype_name,
-                                       base_model=cfg.checkpoint.initial_load_path or "")
-            print(f"wrote a PEFT adapter of {count} tensors ({dtype_name}) to {args.output}")
-            return 0
-        if args.merge_lora:
-            rank, alpha, _ = adapter_settings(model)
-            state = merge_adapters(state, alpha / rank)
-        count = write_hf_folder(args.output, state, adapter, tokenizer, cfg.model.hf_assets_path, dtype_name)
-    except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
+        with written_whole(args.output) as folder:
+            if args.lora_adapter:
+                rank, alpha, dropout = adapter_settings(model)
+                count = write_peft_adapter(folder, state, adapter, rank, alpha, dropout, dtype_name,
+                                           base_model=cfg.checkpoint.initial_load_path or "")
+            else:
+                if args.merge_lora:
+                    rank, alpha, _ = adapter_settings(model)
+                    state = merge_adapters(state, alpha / rank)
+                count = write_hf_folder(folder, state, adapter, tokenizer, cfg.model.hf_assets_path, dtype_name)
+    except (ValueError, OutputError) as e:  # ValueError: a model the format cannot express (a trained routing bias)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.lora_adapter:
+        print(f"wrote a PEFT adapter of {count} tensors ({dtype_name}) to {args.output}")
+        return 0
     print(f"wrote {count} tensors ({dtype_name}) and config to {args.output}")
     return 0
 

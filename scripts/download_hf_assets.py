@@ -5,11 +5,17 @@
 
 Point ``model.hf_assets_path`` at the folder it prints. Gated repositories (e.g. meta-llama) need a
 token: ``--hf-token`` or the HF_TOKEN environment variable, from an account that accepted the license.
+
+Nothing already in the folder is overwritten: a file of the repository that is already there must be one an
+earlier download put there and nobody changed since (the hub's own record of it, under .cache/huggingface);
+anything else is refused before the download starts. So the folder can be topped up (``--assets safetensors``
+after ``--assets tokenizer``), but a file of the user's with a repository file's name is left alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import pathlib
 import sys
 
@@ -38,12 +44,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class ExistingFileError(Exception):
+    """A file of the repository is already in the folder and was not put there by an earlier download."""
+
+
+def foreign_files(local_dir: pathlib.Path, names: list[str]) -> list[str]:
+    """Which of the repository files ``names`` are in ``local_dir`` but not as an earlier download left them."""
+    present = [name for name in names if (local_dir / name).exists()]
+    if not present:
+        return []
+    if not (local_dir / ".cache" / "huggingface").is_dir():
+        return present  # no download ever wrote here
+    from huggingface_hub._local_folder import read_download_metadata
+
+    # None when the hub has no record of the file, or it was modified after it was downloaded.
+    return [name for name in present if read_download_metadata(local_dir, name) is None]
+
+
 def download(repo_id: str, assets: list[str], local_dir: pathlib.Path, revision: str | None,
              token: str | None) -> list[str]:
-    """Download the asset files of repo_id into local_dir; return the files fetched."""
-    from huggingface_hub import snapshot_download
+    """Download the asset files of repo_id into local_dir; return the files fetched. ExistingFileError (before
+    anything is written) when one of them is already there and is not an earlier download's."""
+    from huggingface_hub import HfApi, snapshot_download
 
     patterns = [pattern for asset in assets for pattern in ASSET_PATTERNS[asset]]
+    if local_dir.is_dir() and any(local_dir.iterdir()):
+        names = [name for name in HfApi().list_repo_files(repo_id, revision=revision, token=token)
+                 if any(fnmatch.fnmatch(name, pattern) for pattern in patterns)]
+        if foreign := foreign_files(local_dir, names):
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise ExistingFileError(f"--local-dir {local_dir} already holds {foreign[0]!r}{more}, which this download "
+                                    "would overwrite and which no earlier download of it left there unchanged; give "
+                                    "another --local-dir (or move the file away)")
     snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_dir=local_dir, token=token)
     return sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*")
                   if p.is_file() and ".cache" not in p.relative_to(local_dir).parts)
@@ -52,8 +84,14 @@ def download(repo_id: str, assets: list[str], local_dir: pathlib.Path, revision:
 def main(argv: list[str] | None = None) -> int:
     """Download, then print the folder to use as model.hf_assets_path; one-line error and exit 1 on failure."""
     args = parse_args(argv)
+    if args.local_dir.exists() and not args.local_dir.is_dir():
+        print(f"error: --local-dir {args.local_dir} is an existing file; give a folder", file=sys.stderr)
+        return 2
     try:
         files = download(args.repo_id, args.assets, args.local_dir, args.revision, args.hf_token)
+    except ExistingFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # network, authentication, unknown repo: all need the same one-line report
         reason = (str(e).strip().splitlines() or [""])[0]
         print(f"error: cannot download {', '.join(args.assets)} of {args.repo_id!r} from the Hugging Face hub: "

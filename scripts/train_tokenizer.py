@@ -12,7 +12,9 @@ It trains on the train split of the built-in pydocs corpus, or on ``--input`` fi
 
 Both files give identical ids: they share Llama 3's pre-tokenizer pattern, and tokenizer.json's merge
 list is derived from the ranks (every split of a token into two tokens is a merge, prioritised by the
-token's rank), which is how tiktoken merges. The script checks this on the training text.
+token's rank), which is how tiktoken merges. The script checks this on the training text, before the folder is
+put in place. The output folder must be new or empty (torchtitan/output_folder.py): to retrain the shipped
+tokenizer, remove assets/tokenizer first.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 # Let the script run from a checkout without installing the package.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from torchtitan.data import build_tokenizer, load_documents  # noqa: E402
+from torchtitan.data import DataError, build_tokenizer, load_documents  # noqa: E402
 from torchtitan.data.chat_template import DEFAULT_CHAT_TEMPLATE  # noqa: E402
 from torchtitan.data.tokenizer import LLAMA3_PATTERN  # noqa: E402
+from torchtitan.output_folder import OutputError, folder_problem, written_whole  # noqa: E402
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -77,8 +80,8 @@ def train_ranks(documents: list[str], vocab_size: int) -> dict[bytes, int]:
     )
     tokenizer.train_from_iterator(documents, trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"trained vocabulary has {tokenizer.get_vocab_size()} entries instead of {vocab_size}: "
-                           "the training text is too small to learn that many merges")
+        raise ValueError(f"--vocab-size {vocab_size}: the training text is too small to learn that many merges (it "
+                         f"gave {tokenizer.get_vocab_size()} entries); give more text or a smaller --vocab-size")
     char_to_byte = {c: b for b, c in byte_to_char().items()}
     # The trainer numbers each merged token after the tokens it merges, so its ids are merge ranks.
     return {
@@ -146,7 +149,7 @@ def check_formats_agree(output_dir: pathlib.Path, texts: list[str]) -> None:
             raise RuntimeError(f"tokenizer.json and tokenizer.model disagree on {text[:60]!r}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train the tokenizer, save it and check the two formats agree."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=2048, help="total vocabulary size, special tokens included")
@@ -154,16 +157,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", help="files or folders to train on (default: pydocs train split)")
     parser.add_argument("--text-column", default="text", help="column holding the text in --input files")
     args = parser.parse_args(argv)
-
-    if args.input:
-        documents = [doc for path in args.input for doc in load_documents("", path, "train", args.text_column)]
-    else:
-        documents = list(load_documents("pydocs", None, "train"))
-    ranks = train_ranks(documents, args.vocab_size)
-    save(ranks, args.output_dir)
-    check_formats_agree(args.output_dir, CHECK_TEXTS + documents[::10])
+    if problem := folder_problem(args.output_dir):
+        print(f"error: --output-dir {args.output_dir} {problem}", file=sys.stderr)
+        return 2
+    try:
+        if args.input:
+            documents = [doc for path in args.input for doc in load_documents("", path, "train", args.text_column)]
+        else:
+            documents = list(load_documents("pydocs", None, "train"))
+    except DataError as e:
+        print(f"error: --input: {e}", file=sys.stderr)
+        return 2
+    try:
+        ranks = train_ranks(documents, args.vocab_size)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with written_whole(args.output_dir) as folder:
+            save(ranks, folder)
+            check_formats_agree(folder, CHECK_TEXTS + documents[::10])
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"trained on {len(documents)} documents; wrote a {args.vocab_size}-token tokenizer to {args.output_dir}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

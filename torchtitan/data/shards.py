@@ -16,7 +16,8 @@ empty), and, as documents are read, token ids beyond the manifest's vocab_size.
 
 Shards at a URL (``s3://bucket/corpus``, ``file://``, ...): memory-mapping needs local files, so the folder is
 first copied into the cache folder ($TORCHTITAN_CACHE_DIR/shards/, see cache.py), once per machine (a file lock
-makes the other processes wait), and copied again only when the remote manifest changes.
+makes the other processes wait; the manifest is read under it), and copied again only when the remote manifest
+changes. An offline node reuses a complete copy, with a warning.
 
 Order: documents are read in stored order, or, with ``shuffle_seed``, in a permutation drawn per pass over
 the data from (seed, pass): windows are then cut from the shuffled document stream as usual, so resuming and
@@ -38,7 +39,7 @@ import numpy as np
 from torchtitan.cache import cache_dir, filled_once
 from torchtitan.data.errors import DataError
 from torchtitan.data.tokenizer import Tokenizer
-from torchtitan.log import one_line
+from torchtitan.log import logger, one_line
 from torchtitan.remote import filesystem, is_url, join
 
 FORMAT = "torchtitan-tokens"
@@ -263,17 +264,29 @@ def is_shard_folder(path: str | os.PathLike) -> bool:
 
 
 def fetch_shards(url: str) -> pathlib.Path:
-    """A local copy of the shard folder at ``url`` in the cache folder (see the module doc)."""
-    try:
-        fs, root = filesystem(url)
-        manifest = fs.cat_file(join(root, MANIFEST))
-    except Exception as e:  # unreachable, no credentials, no such folder
-        raise DataError(f"{join(url, MANIFEST)}: cannot read the shard manifest: {one_line(e)}") from None
-    parsed = parse_manifest(manifest, join(url, MANIFEST))
-    shards, itemsize = parsed["shards"], np.dtype(parsed["dtype"]).itemsize
+    """A local copy of the shard folder at ``url`` in the cache folder (see the module doc). The manifest is read
+    under the cache lock, once for the processes that arrive together; when it cannot be read (an offline node), a
+    complete copy is used as it is, with a warning, as for weights at a URL (remote.fetched_folder)."""
+    local = cache_dir() / "shards" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    source = {}
+
+    def manifest() -> bytes:
+        try:
+            fs, root = filesystem(url)
+            text = fs.cat_file(join(root, MANIFEST))
+        except Exception as e:  # unreachable, no credentials, no such folder
+            if (local / MANIFEST).is_file():  # written last: the copy is whole
+                logger.warning(f"cannot read {join(url, MANIFEST)} ({one_line(e)}): using the copy of the shards "
+                               f"fetched earlier, {local}")
+                return (local / MANIFEST).read_bytes()
+            raise DataError(f"{join(url, MANIFEST)}: cannot read the shard manifest: {one_line(e)}") from None
+        source.update(fs=fs, root=root, manifest=parse_manifest(text, join(url, MANIFEST)))
+        return text
 
     def copy(local: pathlib.Path) -> None:
-        for shard in shards:
+        fs, root, parsed = source["fs"], source["root"], source["manifest"]
+        itemsize = np.dtype(parsed["dtype"]).itemsize
+        for shard in parsed["shards"]:
             for key, size in (("tokens", shard["num_tokens"] * itemsize), ("index", (shard["num_documents"] + 1) * 8)):
                 remote, target = join(url, shard[key]), local / shard[key]
                 try:
@@ -286,7 +299,6 @@ def fetch_shards(url: str) -> pathlib.Path:
 
     # The manifest is the completion marker: a copy counts once every file it lists is in place, and a changed
     # remote manifest (the data tokenized again) makes a new copy.
-    local = cache_dir() / "shards" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return filled_once(local, MANIFEST, manifest, copy)
 
 

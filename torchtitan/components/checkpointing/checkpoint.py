@@ -91,6 +91,11 @@ def config_problems(cfg: CheckpointConfig, world_size: int, model_name: str,
     for name, location in (("folder", cfg.folder), ("initial_load_path", cfg.initial_load_path)):
         problem = url_problem(location) if is_url(location) else None
         require(name, problem is None, str(problem))
+    if cfg.discard_newer_steps:
+        require("discard_newer_steps", cfg.load_step != -1, "does nothing without checkpoint.load_step (the run "
+                "resumes from the newest checkpoint); set load_step, or leave discard_newer_steps out")
+        require("discard_newer_steps", not cfg.load_only, "deletes checkpoints, but checkpoint.load_only = true "
+                "never writes any; leave one of them out")
     if cfg.initial_load_path is not None:
         # Read by the checkpoint manager only (where a run without checkpoints of its own starts from).
         require("initial_load_path", cfg.enable, "is read only with checkpoint.enable = true; set it")
@@ -193,6 +198,15 @@ class CheckpointManager:
                                       f"{self.storage.where(f'step-{self.cfg.load_step}')}; available steps: "
                                       f"{steps or 'none'}")
             step = self.cfg.load_step
+            newer = [] if self.cfg.load_only else self.storage.saved_after(step)
+            if newer and not self.cfg.discard_newer_steps:
+                where = self.storage.where(f"step-{step}")
+                raise CheckpointError(
+                    f"checkpoint.load_step = {step} is below the newest checkpoints in {self.storage.location}: "
+                    f"{', '.join(newer)}; this run's saves would overwrite or prune them, so it does not start. To "
+                    f"branch off step {step}, give this run another checkpoint.folder with "
+                    f"checkpoint.initial_load_path = {where} and checkpoint.initial_load_model_only = false; to "
+                    "discard the newer ones, set checkpoint.discard_newer_steps = true")
         elif steps:
             step = steps[-1]
         elif self.cfg.initial_load_path:
@@ -209,7 +223,19 @@ class CheckpointManager:
         self._load(self.storage.where(f"step-{step}"), keys)
         logger.info(f"resumed from step {step}: {self.storage.where(f'step-{step}')}"
                     + (" (a seed checkpoint: the model only)" if seed else ""))
+        if self.cfg.load_step != -1 and self.cfg.discard_newer_steps and not self.cfg.load_only:
+            self._discard_after(step)  # only once the step to resume from has loaded
         return step
+
+    def _discard_after(self, step: int) -> None:
+        """checkpoint.discard_newer_steps: rank 0 deletes the checkpoints and exports after ``step``; every rank
+        waits for it, so none saves into the folder meanwhile."""
+        if self.rank == 0:
+            for name in self.storage.saved_after(step):
+                logger.warning(f"checkpoint.discard_newer_steps: deleting {self.storage.where(name)}")
+                self.storage.delete(name)
+        if dist.is_initialized():
+            dist.barrier(group=self.save_group)
 
     def _load_initial(self, location: str) -> None:
         if self.cfg.initial_load_in_hf:

@@ -47,7 +47,7 @@ from torchtitan.remote import filesystem, is_url, join
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # The folders a run writes into its checkpoint folder: full checkpoints and model-only exports.
-OUR_FOLDER = re.compile(r"^(export-)?step-\d+$")
+OUR_FOLDER = re.compile(r"^(export-)?step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 METADATA_FILE = ".metadata"
 COMPLETE_MARKER = ".complete"
@@ -225,6 +225,13 @@ class _Storage:
         """Where the complete checkpoint ``name`` is (a path or URL), for loading and for messages."""
         return join(self.location, name)
 
+    def saved_after(self, step: int) -> list[str]:
+        """The complete step and export folders of steps after ``step``, oldest first (what a run resumed at
+        ``step`` would overwrite or prune)."""
+        found = [(int(match.group(2)), bool(match.group(1)), name) for name in self._complete_folders()
+                 if (match := OUR_FOLDER.match(name))]
+        return [name for n, _, name in sorted(found) if n > step]
+
     def refuse_unowned(self) -> None:
         """Refuse to go on when the folder holds step or export folders that are neither complete checkpoints
         nor this program's own unfinished saves: saving the same step would write over them."""
@@ -266,6 +273,11 @@ class LocalStorage(_Storage):
             if match and (child / METADATA_FILE).is_file():
                 steps.append(int(match.group(1)))
         return sorted(steps)
+
+    def _complete_folders(self) -> list[str]:
+        # Renamed into place only when complete (an unowned one is refused before anything else).
+        return [child.name for child in self.folder.iterdir() if OUR_FOLDER.match(child.name)] \
+            if self.folder.is_dir() else []
 
     def unowned(self) -> list[str]:
         """Step or export folders (by name) that hold no checkpoint: a DCP .metadata or a Hugging Face
@@ -372,6 +384,9 @@ class RemoteStorage(_Storage):
         except FileNotFoundError:
             return []
         return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+    def _complete_folders(self) -> list[str]:
+        return [name for name in self._children() if OUR_FOLDER.match(name) and self._has(name, COMPLETE_MARKER)]
 
     def _unfinished(self) -> list[str]:
         """Step and export folders without their completion marker."""
