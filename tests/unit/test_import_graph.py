@@ -80,7 +80,8 @@ def test_the_walker_finds_a_cycle():
 # A module belongs to the floor of the longest prefix that names it.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("leaves", ("torchtitan.log", "torchtitan.cache", "torchtitan.registry", "torchtitan.remote",
-                "torchtitan.hardware", "torchtitan.stop_signals", "torchtitan.config_fields")),
+                "torchtitan.hardware", "torchtitan.stop_signals", "torchtitan.config_fields",
+                "torchtitan.output_folder")),
     ("data", ("torchtitan.data",)),
     ("config schema", ("torchtitan.config",)),
     ("protocols", ("torchtitan.protocols",)),
