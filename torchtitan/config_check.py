@@ -265,7 +265,7 @@ def _check_fault_tolerance(c: _Checker) -> None:
 
     cfg = c.cfg
     c.report("fault_tolerance", config_problems(cfg.fault_tolerance, cfg.optimizer.name, cfg.training.guard.enable,
-                                                cfg.checkpoint.interval, cfg.checkpoint.enable))
+                                                cfg.checkpoint.enable))
 
 
 def _check_unsupported(c: _Checker) -> None:

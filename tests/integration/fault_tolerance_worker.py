@@ -5,7 +5,8 @@ step: the step, the SHA-256 of its local weight shards and the groups that took 
 ``FT_SLOW_WHEN_ALONE=s``: sleep s seconds after each step taken by fewer groups than group_size, so that the
 surviving group is still training when a relaunched one comes back.
 ``FT_PAUSE_AFTER_STEP=k``: once a step >= k is committed, each rank writes ``{dump_folder}/paused-rank{R}`` (after
-its weights row) and waits to be killed.
+its weights row) and waits to be killed. ``FT_PAUSE_BEFORE_STEP=k``: the same before step k starts (so after step
+k - 1's checkpoint is saved).
 ``FT_START_TOGETHER=folder``: before the first step, mark this group ready there and wait until every group is,
 so that the lighthouse sees them all (it waits for the groups it hears from) and the first quorum has them all.
 """
@@ -32,7 +33,14 @@ for _name in ("torchft.manager", "torchft.checkpointing.http_transport"):
     logging.getLogger(_name).addHandler(_handler)
 
 
+def pause(self) -> None:
+    (Path(self.cfg.job.dump_folder) / f"paused-rank{self.rank}").touch()
+    time.sleep(3600)
+
+
 def instrumented_step(self, microbatches):
+    if self.step + 1 == int(os.environ.get("FT_PAUSE_BEFORE_STEP", "0")):
+        pause(self)
     result = _train_step(self, microbatches)
     if not self.replicas.committed:
         return result
@@ -47,8 +55,7 @@ def instrumented_step(self, microbatches):
     with open(folder / f"weights-rank{self.rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": step, "sha": digest.hexdigest(), "groups": groups}) + "\n")
     if step >= int(os.environ.get("FT_PAUSE_AFTER_STEP", "0")) > 0:
-        (folder / f"paused-rank{self.rank}").touch()
-        time.sleep(3600)
+        pause(self)
     if groups < self.cfg.fault_tolerance.group_size:
         time.sleep(float(os.environ.get("FT_SLOW_WHEN_ALONE", "0")))
     return result

@@ -206,6 +206,56 @@ def test_diloco_with_one_inner_step_is_data_parallel_sgd(tmp_path, debug_runs):
     assert losses(g0) != pytest.approx(losses(g1), abs=1e-4)  # each group scores its own batch
 
 
+def test_diloco_resumes_bitwise_after_every_group_is_killed(tmp_path):
+    """Must-show 2: 2 groups of FSDP 2, DiLoCo with H = 4 and outer momentum 0.9, checkpoints every 2 steps (at and
+    between synchronisations). Every process of both groups is killed right after the step-4 synchronisation (before
+    step 5: the relaunch resumes from step 4), then, relaunched, between two synchronisations (after step 7: the next
+    relaunch resumes from step 6, whose checkpoint holds the agreed weights and the inner step count). Each group's
+    weight shards are bitwise the uninterrupted run's at every step after each resume, through the step-8
+    synchronisation, which applies the momentum the checkpoints carried."""
+    diloco = ["--fault_tolerance.semi_sync.method", "diloco", "--fault_tolerance.semi_sync.sync_every", "4",
+              "--fault_tolerance.semi_sync.outer_momentum", "0.9", "--fault_tolerance.semi_sync.outer_lr", "0.7"]
+    flags = ["--training.steps", "8", "--training.local_batch_size", "2", "--checkpoint.enable",
+             "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only", *diloco]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+
+    def launch(folder: Path, env: dict, tag: str) -> list[Group]:
+        return [Group(r, folder, flags, env, tmp_path / f"{tag}-g{r}.log") for r in (0, 1)]
+
+    def rows(folder: Path, replica: int, rank: int) -> dict[int, str]:
+        return {w["step"]: w["sha"] for w in weights(folder / f"replica_{replica}", rank)}  # the last row of a step
+
+    with lighthouse(min_replicas=2) as env:
+        for group in launch(straight, env, "straight"):
+            group.wait()
+        outputs = []
+        for pause, tag in ((("FT_PAUSE_BEFORE_STEP", "5"), "first"), (("FT_PAUSE_AFTER_STEP", "7"), "second")):
+            victims = launch(killed, {**env, pause[0]: pause[1]}, tag)
+            deadline = time.monotonic() + 600
+            while not all((killed / f"replica_{r}" / f"paused-rank{rank}").exists() for r in (0, 1) for rank in (0, 1)):
+                assert all(v.proc.poll() is None for v in victims) and time.monotonic() < deadline, tag
+                time.sleep(0.1)
+            for victim in victims:
+                victim.kill()
+            outputs.append([v.log.read_text() for v in victims])
+            for r in (0, 1):
+                for rank in (0, 1):
+                    (killed / f"replica_{r}" / f"paused-rank{rank}").unlink()
+        outputs.append([group.wait() for group in launch(killed, env, "third")])
+    assert all("resumed from step 4" in log for log in outputs[1])
+    assert all("resumed from step 6" in log and "took the live state" not in log for log in outputs[2])
+    for replica in (0, 1):
+        for rank in (0, 1):
+            reference = rows(straight, replica, rank)
+            resumed = [(w["step"], w["sha"]) for w in weights(killed / f"replica_{replica}", rank)]
+            assert sorted(reference) == list(range(1, 9))
+            # Steps 1-4, then 5-7 from the first relaunch, then 7-8 from the second.
+            assert [step for step, _ in resumed] == [1, 2, 3, 4, 5, 6, 7, 7, 8]
+            assert all(sha == reference[step] for step, sha in resumed), (replica, rank)
+    # At a synchronisation the groups hold the same weights.
+    assert rows(straight, 0, 0)[8] == rows(straight, 1, 0)[8] and rows(straight, 0, 0)[7] != rows(straight, 1, 0)[7]
+
+
 def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path):
     result = run_module("torchtitan.train", "--job.config_file", "train_configs/tiny.toml", "--training.steps", "2",
                         *GROUPS[:3], "--fault_tolerance.timeout_seconds", "2", f"--job.dump_folder={tmp_path}",

@@ -22,6 +22,11 @@ DiLoCo (semi_sync.method = "diloco", torchft.local_sgd.DiLoCo): each group takes
 trainer's optimizer alone, then the groups average their weight change since the last synchronisation and an
 outer SGD with Nesterov momentum applies it; with ``fragments`` > 1, runs of consecutive blocks take turns
 (Streaming DiLoCo). The loss logged is this group's. A group that rejoins heals at the next synchronisation.
+What a resume needs of DiLoCo is in this group's DCP checkpoint (under ``fault_tolerance.``): the outer SGD's
+momentum per weight (``outer_momentum.<weight>``), the inner steps since the last synchronisation (``diloco_step``)
+and, for a checkpoint between two synchronisations (the last step's, a preemption's), the weights the groups last
+agreed on (``outer_weights.<weight>``; at a synchronisation they are the model's own). So killing every group and
+resuming reproduces the uninterrupted run, bit for bit.
 
 Everything sent to other groups goes through the manager's allreduce, which counts it (``ft/sent_bytes_per_step``:
 the tensors this group contributes per step, summed over its ranks).
@@ -43,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.config.job_config import FaultTolerance as FaultToleranceConfig
 from torchtitan.config_fields import changed_fields
 from torchtitan.log import logger
+from torchtitan.models.shared.seeded_init import canonical_name
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -52,7 +58,7 @@ class ReplicaGroupError(Exception):
 
 
 def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enabled: bool,
-                    checkpoint_interval: int, checkpoint_enabled: bool) -> list[tuple[str, str]]:
+                    checkpoint_enabled: bool) -> list[tuple[str, str]]:
     """Problems with the [fault_tolerance] section as (field, reason) pairs."""
     sync = cfg.semi_sync
     changed = [f"fault_tolerance.{name}" for name in changed_fields(cfg, skip=("enable", "semi_sync"))]
@@ -104,10 +110,6 @@ def config_problems(cfg: FaultToleranceConfig, optimizer_name: str, guard_enable
         problems.append(("semi_sync.fragments", "> 1 synchronises the fragments at different steps, so no step's "
                                                 "checkpoint holds weights the groups agree on; use 1 fragment with "
                                                 "checkpoint.enable"))
-    if checkpoint_enabled and checkpoint_interval % max(sync.sync_every, 1):
-        problems.append(("semi_sync.sync_every", f"must divide checkpoint.interval = {checkpoint_interval}: a "
-                                                 "checkpoint between synchronisations would lose the groups' "
-                                                 "common weights"))
     return problems
 
 
@@ -135,6 +137,13 @@ class ReplicaGroups(Stateful):
         self.diloco = None
         # DiLoCo keeps the weights the groups last agreed on: built at the first step, after any checkpoint load.
         self._diloco_parts = (model_parts, optimizer) if cfg.enable and not self.every_step else None
+        self._outer: list[torch.optim.Optimizer] = []  # DiLoCo's outer SGD, one per fragment
+        # DiLoCo's state a resume needs, by weight name (see the module doc); what a checkpoint gave is kept until
+        # DiLoCo is built, and the keys a checkpoint holds decide what its load asks for (``prepare_load``).
+        self._weights = _trainable_by_name(model_parts) if self._diloco_parts else {}
+        self._momentum = bool(self._weights) and cfg.semi_sync.outer_momentum > 0
+        self._loaded: dict[str, torch.Tensor] = {}
+        self._loading: set[str] | None = None  # the DiLoCo kinds the checkpoint being loaded holds
         self._groups = None  # groups in the last quorum
         self.committed = True  # whether the last step's update was applied
         self._received = False  # a peer's live state was loaded since begin_step last looked
@@ -192,8 +201,10 @@ class ReplicaGroups(Stateful):
         """Agree on this step's groups (every-step mode); True when this group has just taken a peer's live state
         (here, or at the previous step's DiLoCo synchronisation): the data iterator must then be made anew."""
         if self._diloco_parts is not None:
-            self.diloco = _build_diloco(self.manager, self.cfg.semi_sync, *self._diloco_parts, self.device)
+            self.diloco, self._outer = _build_diloco(self.manager, self.cfg.semi_sync, *self._diloco_parts,
+                                                     self.device)
             self._diloco_parts = None
+            self._restore_diloco()
         if self.every_step:
             self.manager.start_quorum()
             if self.manager.num_participants() != self._groups:
@@ -264,22 +275,97 @@ class ReplicaGroups(Stateful):
         like = self._layouts[key if key in self._layouts else key.split(".", 1)[1].rsplit(".", 1)[0]]
         return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
-    # ----- its own checkpoint entry: torchft's count of committed steps -----
+    # ----- its own checkpoint entry: torchft's count of committed steps, DiLoCo's outer momentum -----
 
     def state_dict(self) -> dict:
         if not self.enabled:
             return {}
-        return {"manager": torch.tensor([self.manager.current_step(), self.manager.batches_committed()])}
+        state = {"manager": torch.tensor([self.manager.current_step(), self.manager.batches_committed()])}
+        if self._weights:
+            state.update(self._diloco_state())
+        return state
+
+    def prepare_load(self, metadata) -> None:
+        """Ask a checkpoint for the DiLoCo state it holds: the agreed weights only if it was taken between two
+        synchronisations; none at all if an earlier version wrote it (the momentum then restarts, with a warning)."""
+        held = {name.split(".")[1] for name in metadata.state_dict_metadata if name.startswith("fault_tolerance.")}
+        self._loading = held & {_MOMENTUM, _STEP, _AGREED}
+        if self._weights and _STEP not in self._loading:
+            logger.warning("the checkpoint holds no DiLoCo state (written by an earlier version): the outer SGD's "
+                           "momentum restarts from zero, so the run departs from an uninterrupted one")
 
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and "manager" in state:
             step, batches = (int(x) for x in state["manager"].tolist())
             self.manager.load_state_dict({"step": step, "batches_committed": batches})
+        self._loaded = {key: value for key, value in state.items() if key != "manager"}
+        self._loading = None
+        if self.diloco is not None:
+            self._restore_diloco()
+
+    def _diloco_state(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's checkpoint entries (module doc), or, while a checkpoint is being loaded, the ones it holds.
+
+        Before the first synchronisation the outer SGD has no momentum yet: zeros are saved, which it then takes
+        exactly as if fresh (with no dampening a fresh buffer is the gradient itself, and 0.9 x 0 + g = g)."""
+        kinds = self._loading if self._loading is not None else {_STEP, *([_MOMENTUM] if self._momentum else [])}
+        step = self.diloco._local_step if self.diloco is not None else 0  # torchft's count since the last sync
+        if self._loading is None and step:
+            kinds.add(_AGREED)
+        momentum = {id(p): s["momentum_buffer"] for outer in self._outer for p, s in outer.state.items()
+                    if s.get("momentum_buffer") is not None}
+        agreed = self._agreed_weights() if _AGREED in kinds and self._loading is None else {}
+        state = {}
+        if _STEP in kinds:
+            state[_STEP] = self._loaded.get(_STEP, torch.tensor([step]))
+        for name, p in self._weights.items():
+            for kind, value in ((_MOMENTUM, momentum.get(id(p))), (_AGREED, agreed.get(name))):
+                if kind in kinds:
+                    key = f"{kind}.{name}"
+                    state[key] = value if value is not None else self._loaded.get(key, torch.zeros_like(p.detach()))
+        return state
+
+    def _agreed_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the groups last agreed on, which DiLoCo keeps as local shards on the host, laid out as the
+        model's (DTensors where the weights are), so a checkpoint of them reshards like the weights."""
+        names = {id(p): name for name, p in self._weights.items()}
+        agreed = {}
+        for fragment in self.diloco._fragments:
+            for local_name, p in fragment._model_fragment.named_parameters():
+                if id(p) in names:
+                    kept = fragment.original_parameters[local_name].to(p.device)
+                    agreed[names[id(p)]] = DTensor.from_local(kept, p.device_mesh, p.placements, shape=p.shape,
+                                                              stride=p.stride()) if isinstance(p, DTensor) else kept
+        return agreed
+
+    def _restore_diloco(self) -> None:
+        """Hand what a checkpoint gave to DiLoCo, once it exists: the momentum, the inner step count, and the
+        agreed weights of a checkpoint taken between two synchronisations."""
+        outer_of = {id(p): outer for outer in self._outer for group in outer.param_groups for p in group["params"]}
+        names = {id(p): name for name, p in self._weights.items()}
+        for name, p in self._weights.items():
+            if (buffer := self._loaded.get(f"{_MOMENTUM}.{name}")) is not None and id(p) in outer_of:
+                outer_of[id(p)].state[p]["momentum_buffer"] = buffer
+        for fragment in self.diloco._fragments:
+            for local_name, p in fragment._model_fragment.named_parameters():
+                if (agreed := self._loaded.get(f"{_AGREED}.{names.get(id(p))}")) is not None:
+                    local = agreed.to_local() if isinstance(agreed, DTensor) else agreed
+                    fragment.original_parameters[local_name].copy_(local)
+        if _STEP in self._loaded:
+            self.diloco._local_step = int(self._loaded[_STEP].item())
+        self._loaded = {}
+
+
+# DiLoCo's checkpoint entries under fault_tolerance.: the outer momentum and the agreed weights per weight name, the
+# inner step count.
+_MOMENTUM, _AGREED, _STEP = "outer_momentum", "outer_weights", "diloco_step"
+
+
+def _trainable_by_name(model_parts: list[nn.Module]) -> dict[str, nn.Parameter]:
+    return {canonical_name(name): p for part in model_parts for name, p in part.named_parameters() if p.requires_grad}
 
 
 def _named_tensors(part: nn.Module):
-    from torchtitan.models.shared.seeded_init import canonical_name
-
     for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
         if isinstance(tensor, DTensor):
             yield canonical_name(name), tensor
@@ -291,7 +377,8 @@ def _to_local(state: dict) -> tuple[dict, list[str]]:
 
 
 def _build_diloco(manager, cfg, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                  device: torch.device):
+                  device: torch.device) -> tuple[object, list[torch.optim.Optimizer]]:
+    """torchft's DiLoCo around the inner optimizer, and its outer SGDs (one per fragment)."""
     from torchft.local_sgd import DiLoCo
 
     fragments = model_fragments(model_parts, cfg.fragments)
@@ -300,7 +387,7 @@ def _build_diloco(manager, cfg, model_parts: list[nn.Module], optimizer: torch.o
     diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=cfg.sync_every,
                     pin_memory=device.type == "cuda")
     diloco.__enter__()  # hooks the inner optimizer's step; they live as long as the run
-    return diloco
+    return diloco, outer
 
 
 def model_fragments(model_parts: list[nn.Module], n: int) -> list[nn.Module]:
