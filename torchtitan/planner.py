@@ -33,7 +33,7 @@ from torchtitan.models.shared import amx_attention
 from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.gated_delta_rule import CHUNK
 from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
-from torchtitan.models.shared.lora import nf4_weights
+from torchtitan.models.shared.lora import nf4_shardable, nf4_weights
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 GIB = 2**30
@@ -93,7 +93,18 @@ class ModelShape:
     # final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
     # (components/optimizers/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
     tensors: tuple[tuple[int, str, bool, bool], ...] = ()
-    nf4_params: int = 0  # block weights a QLoRA base stores in NF4 (lora.base_dtype), whole on every rank
+    # The shapes of the block weights a QLoRA base stores in NF4 (lora.base_dtype): FSDP shards those whose rows
+    # split into whole scale groups (models/shared/lora.nf4_shardable), the others stay whole on every rank.
+    nf4_shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def nf4_params(self) -> int:
+        return sum(math.prod(shape) for shape in self.nf4_shapes)
+
+    def nf4_bytes(self, fsdp_degree: int) -> float:
+        """Bytes of the NF4 base on one rank holding every block, FSDP sharding over ``fsdp_degree`` ranks."""
+        return NF4_BYTES * sum(math.prod(shape) / (fsdp_degree if nf4_shardable(shape, fsdp_degree) else 1)
+                               for shape in self.nf4_shapes)
 
     @property
     def routed_params_per_block(self) -> float:
@@ -164,7 +175,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     muon = {id(p) for _, p in split_parameters([model])[0]}
     tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
                      id(p) in muon, p.requires_grad) for p in model.parameters())
-    nf4_params = sum(p.numel() for p in nf4_weights(model))
+    nf4_shapes = tuple(tuple(p.shape) for p in nf4_weights(model))
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
@@ -179,7 +190,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         moe_layers=args.n_moe_layers, experts=moe.num_experts if moe else 0, top_k=moe.top_k if moe else 0,
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
-        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors, nf4_params=nf4_params,
+        mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors, nf4_shapes=nf4_shapes,
     )
 
 
@@ -368,9 +379,11 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     if shared_embedding:
         head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
     params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
-    # An NF4 base is not sharded (FSDP leaves it out) and takes NF4_BYTES per weight instead of s.
+    # An NF4 base takes NF4_BYTES per weight instead of s, FSDP sharding only the weights that split into whole
+    # scale groups (the others stay whole on every rank).
     nf4_local = rank.blocks / m.n_layers * m.nf4_params
-    params = params_local * s - nf4_local / tp / layout.fsdp_degree * s + nf4_local * NF4_BYTES
+    nf4_bytes = rank.blocks / m.n_layers * m.nf4_bytes(layout.fsdp_degree if fsdp else 1)
+    params = params_local * s - nf4_local / tp / layout.fsdp_degree * s + nf4_bytes
     embedding_copies = int(rank.first) + int(shared_embedding)
     grads = _rank_tensor_bytes(m, rank, tp * layout.fsdp_degree, embedding_copies, lambda elements, _: s * elements)
     optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)

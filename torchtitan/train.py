@@ -78,6 +78,9 @@ class Trainer:
         self.model_args = build_model_args(spec, cfg.model, self.tokenizer.vocab_size, training.seq_len)
         with torch.device("meta"):
             model = spec.model_cls(self.model_args)
+        # In the stored dtype from the start (free on the meta device): what converters add and what parallelism
+        # wraps (a QLoRA base's NF4 weights, which a later cast would dequantize) is built in it.
+        model.to(DTYPES[training.dtype])
         self.converters = ModelConverters(cfg.model.converters, cfg, self.parallel_dims)
         self.converters.convert(model)
         if cfg.model.print_after_conversion:
@@ -111,7 +114,6 @@ class Trainer:
         def prepare(part: torch.nn.Module) -> torch.nn.Module:
             part = parallelize_fn_of(spec)(part, self.parallel_dims, cfg)
             part.to_empty(device=self.device)
-            part.to(DTYPES[training.dtype])
             part.init_weights(cfg.debug.seed, buffer_device=self.device)
             self.converters.init_weights(part, cfg.debug.seed)
             return part.train()

@@ -1,9 +1,11 @@
 """LoRA: the adapted model starts as its base and trains only its adapters; 6 fp32 steps match the single
 process within 1e-4 under FSDP 2, TP 2, FSDP 2 x TP 2, PP 2, compile and CP 2 with activation checkpointing
-and the chunked loss (debug model, attention and feed-forward targets: column- and row-parallel bases) and EP 2 (qwen3_moe, attention targets), and QLoRA's
-under FSDP 2; checkpoints hold the adapters and resume exactly on their own base only; bad targets and
+and the chunked loss (debug model, attention and feed-forward targets: column- and row-parallel bases) and EP 2
+(qwen3_moe, attention targets), and QLoRA's under FSDP 2 and FSDP 4, its NF4 base sharded (bytes per rank as the
+planner counts) and loaded whole from a DCP checkpoint or a Hugging Face folder; checkpoints hold the adapters and resume exactly on their own base only; bad targets and
 settings are refused in one line."""
 
+import json
 import shutil
 
 import pytest
@@ -20,6 +22,8 @@ from torchtitan.models.shared.lora import is_adapted, is_adapter_param, is_nf4
 LORA = ("--model.converters", "lora", "--lora.rank", "4")
 # A high learning rate, so that 6 steps move the adapters (B starts at zero) enough to show in the loss.
 TRAIN = [*LORA, "--lora.targets", "attention.*,feed_forward.*", "--training.steps", "6", "--optimizer.lr", "1e-2"]
+QLORA = [*TRAIN, "--lora.base_dtype", "nf4"]
+NF4_BYTES = "tests.integration.nf4_bytes_worker:main"
 DEBUG_LAYOUTS = {
     "lora_single": (1, [*TRAIN, "--training.local_batch_size", "8"]),
     "lora_fsdp2": (2, [*TRAIN, "--training.local_batch_size", "4"]),
@@ -31,10 +35,26 @@ DEBUG_LAYOUTS = {
     # Context parallelism with full activation checkpointing and the chunked loss.
     "lora_cp2_ac_chunked": (2, [*TRAIN, "--training.local_batch_size", "8", "--parallelism.context_parallel_degree",
                                 "2", "--activation_checkpoint.mode", "full", "--training.loss_chunk_size", "16"]),
-    # QLoRA: the NF4 base is whole on each rank, quantised from the whole weight, so FSDP changes nothing in it.
-    "qlora_single": (1, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "8"]),
-    "qlora_fsdp2": (2, [*TRAIN, "--lora.base_dtype", "nf4", "--training.local_batch_size", "4"]),
+    # QLoRA: the NF4 base is quantised from each whole weight, then FSDP shards the NF4 tensor: every layout computes
+    # with the single process's exact base. Its bytes per rank are recorded (nf4_bytes_worker.py).
+    "qlora_single": (1, [*QLORA, "--training.local_batch_size", "8"]),
+    "qlora_fsdp2": (2, [*QLORA, "--training.local_batch_size", "4"], NF4_BYTES),
+    "qlora_fsdp4": (4, [*QLORA, "--training.local_batch_size", "2"], NF4_BYTES),
 }
+
+
+def qlora_loaded_layouts(folder) -> dict[str, tuple]:
+    """QLoRA on a base loaded whole (never quantised per shard) from a DCP checkpoint and from a Hugging Face folder:
+    the base is a 1-step run of the debug model, which writes both."""
+    base = ["--training.steps", "1", "--training.local_batch_size", "8", "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf"]
+    dcp = ["--checkpoint.enable", "--checkpoint.initial_load_path", f"{folder / 'qlora_base'}/checkpoint/step-1"]
+    hf = ["--checkpoint.enable", "--checkpoint.initial_load_path", f"{folder / 'qlora_base'}/checkpoint/export-step-1",
+          "--checkpoint.initial_load_in_hf"]
+    return {"qlora_base": (1, base),
+            "qlora_dcp_single": (1, [*QLORA, *dcp, "--training.local_batch_size", "8"]),
+            "qlora_dcp_fsdp4": (4, [*QLORA, *dcp, "--training.local_batch_size", "2"], NF4_BYTES),
+            "qlora_hf_fsdp2": (2, [*QLORA, *hf, "--training.local_batch_size", "4"], NF4_BYTES)}
 MOE_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32", "--metrics.log_freq", "1",
               "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600", *LORA,
               "--training.steps", "6", "--optimizer.lr", "1e-2"]
@@ -46,7 +66,7 @@ MOE_LAYOUTS = {
 
 def debug_layouts(folder):
     """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture)."""
-    return DEBUG_LAYOUTS
+    return {**DEBUG_LAYOUTS, **qlora_loaded_layouts(folder)}
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
@@ -54,15 +74,43 @@ def suite_matrices(folder) -> dict[str, Matrix]:
     return {"lora_moe_": Matrix(MOE_LAYOUTS, "train_configs/qwen3_moe_debug.toml", MOE_COMMON)}
 
 
+QLORA_REFERENCES = {"qlora_fsdp2": "qlora_single", "qlora_fsdp4": "qlora_single",
+                    # The Hugging Face export holds the DCP checkpoint's float32 weights: one reference serves both.
+                    "qlora_dcp_fsdp4": "qlora_dcp_single", "qlora_hf_fsdp2": "qlora_dcp_single"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name in DEBUG_LAYOUTS if not name.endswith("single")] + ["lora_moe_ep2"])
+@pytest.mark.parametrize("layout", [name for name in DEBUG_LAYOUTS if not name.startswith("qlora")
+                                    and not name.endswith("single")] + list(QLORA_REFERENCES) + ["lora_moe_ep2"])
 def test_lora_matches_the_single_process(suite_runs, layout):
     runs = suite_runs[1]
-    reference = rows_of(runs, layout.replace("fsdp2", "single") if layout.startswith("qlora") else
-                        "lora_moe_single" if "moe" in layout else "lora_single")
+    reference = rows_of(runs, QLORA_REFERENCES.get(layout) or ("lora_moe_single" if "moe" in layout else
+                                                               "lora_single"))
     assert [r["step"] for r in reference] == list(range(1, 7))
     assert len({r["loss"] for r in reference}) == 6  # the adapters train, so the steps differ
     assert_same_steps(rows_of(runs, layout), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["qlora_fsdp2", "qlora_fsdp4", "qlora_dcp_fsdp4", "qlora_hf_fsdp2"])
+def test_fsdp_shards_the_nf4_base_as_the_planner_counts(suite_runs, layout):
+    """Under FSDP the NF4 base is sharded: each rank holds 0.52 bytes per quantised weight / the FSDP degree, as the
+    planner predicts (models/shared/lora.nf4_shardable decides for both)."""
+    from torchtitan.config import load_config
+    from torchtitan.planner import NF4_BYTES as PER_WEIGHT
+    from torchtitan.planner import model_shape
+
+    folder, _ = suite_runs
+    nproc = {**DEBUG_LAYOUTS, **qlora_loaded_layouts(folder)}[layout][0]
+    records = [json.loads((folder / layout / f"nf4-rank{rank}.json").read_text()) for rank in range(nproc)]
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *QLORA, "--training.seq_len", "32"])
+    shape = model_shape(cfg)
+    predicted = shape.nf4_bytes(nproc)
+    assert len(shape.nf4_shapes) == 7 * 6 and all(r["weights"] == r["sharded"] == 42 for r in records)
+    assert all(r["bytes"] == predicted for r in records), (records, predicted)
+    assert predicted == pytest.approx(PER_WEIGHT * shape.nf4_params / nproc) and 0.51 < PER_WEIGHT < 0.52
+    print(f"{layout}: NF4 base {records[0]['bytes']:,} bytes per rank (planner {predicted:,.0f}); "
+          f"{shape.nf4_params:,} quantised weights, {records[0]['bytes'] / shape.nf4_params:.4f} bytes each")
 
 
 def test_adapted_model_starts_as_its_base_and_trains_only_its_adapters(tmp_path):

@@ -7,8 +7,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.hardware import DTYPES
-from torchtitan.models.shared.lora import nf4_weights
+from torchtitan.log import logger
+from torchtitan.models.shared.lora import nf4_shardable, nf4_weights, place_nf4_constants
 from torchtitan.models.shared.moe import GroupedExperts
+from torchtitan.models.shared.seeded_init import canonical_name
 
 
 def apply_fsdp(
@@ -29,8 +31,8 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
-    if nf4 := nf4_weights(model):
-        kwargs["ignored_params"] = nf4  # a QLoRA base: whole on every rank, in NF4 (models/shared/lora.py)
+    if whole := _nf4_kept_whole(model, mesh):
+        kwargs["ignored_params"] = whole
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     # With PP each micro-batch re-runs forward, so resharding would re-gather the weights every time.
@@ -56,6 +58,24 @@ def apply_fsdp(
     return model
 
 
+def _nf4_kept_whole(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """A QLoRA base's NF4 weights (models/shared/lora.py), quantised whole, are sharded like any weight where their
+    rows split into whole scale groups over the shard ranks (FSDP cannot pad them); the others stay whole on every
+    rank, which is returned (and logged) for FSDP to leave out."""
+    ids = {id(p) for p in nf4_weights(model)}
+    nf4 = {name: p for name, p in model.named_parameters() if id(p) in ids}
+    whole = {name for name, p in nf4.items() if not nf4_shardable(tuple(p.shape), mesh.size(-1))}
+    for name, p in nf4.items():
+        if name not in whole:
+            place_nf4_constants(p, mesh.device_type)
+    if whole:
+        names = sorted(canonical_name(name) for name in whole)
+        logger.info(f"lora: {len(whole)} of the {len(nf4)} NF4 base weights stay whole on every rank: their rows do "
+                    f"not split into whole scale groups (64 x 256 values) over {mesh.size(-1)} FSDP ranks "
+                    f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})")
+    return {nf4[name] for name in whole}
+
+
 def _expert_shard_placement(experts: GroupedExperts, expert_mesh: DeviceMesh):
     # The local experts split over the FSDP ranks by expert when they divide evenly, else along the model
     # width (FSDP would otherwise pad whole experts): dimension 1 of w1, w3 (E, dim, hidden), 2 of w2 (E,
@@ -75,9 +95,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Replicate the model over ``mesh`` with FSDP2's ``replicate``: one gradient all-reduce per block,
     overlapping backward, controlled like FSDP's (pipeline stages and gradient accumulation defer it the
     same way; see ``set_gradient_sync``). Gradients are summed for the same reason as in FSDP."""
+    # A QLoRA base's NF4 weights are frozen and the same on every rank: nothing to replicate or reduce.
+    ignored = {"ignored_params": nf4_weights(model)} if nf4_weights(model) else {}
     for block in model.layers.values():
-        replicate(block, mesh=mesh)
-    replicate(model, mesh=mesh)
+        replicate(block, mesh=mesh, **ignored)
+    replicate(model, mesh=mesh, **ignored)
     _sum_gradients_on_every_unit(model)
     return model
 

@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -46,6 +45,7 @@ from torchtitan.components.checkpointing.states import (
     ModelState,
     OptimizerState,
     TrainState,
+    load_model_state,
 )
 from torchtitan.components.checkpointing.storage import (
     CheckpointError,
@@ -264,9 +264,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None
         if reason := self.base_state.missing_from(state):
             raise CheckpointError(f"checkpoint.initial_load_path {location}: {reason}")
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        for part in self.model_parts:
-            set_model_state_dict(part, state, options=options)
+        load_model_state(self.model_parts, state, StateDictOptions(full_state_dict=True, strict=False))
         logger.info(f"initialised the model from Hugging Face weights in {location}")
 
     def _load(self, where: str, keys: list[str], states: dict[str, Stateful] | None = None) -> None:

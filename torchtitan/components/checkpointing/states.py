@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpointing.storage import CheckpointError
 from torchtitan.models.shared.lora import is_nf4
-from torchtitan.models.shared.seeded_init import canonical_name
+from torchtitan.models.shared.seeded_init import assign_whole_, canonical_name
 
 
 @dataclass
@@ -60,14 +61,13 @@ class ModelState(Stateful):
             state.update({name: t for name, t in get_model_state_dict(part).items() if self.include(name)})
         if not self.loading_only:
             return state
-        # Loading into an NF4 weight (a QLoRA base) goes through a plain tensor of its shape, which
-        # load_state_dict copies into it: NF4's copy_ quantises the whole incoming weight.
-        return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) if is_nf4(t) else t
+        # An NF4 weight (a QLoRA base) is loaded whole, as a plain tensor of its shape, even where FSDP shards it:
+        # load_state_dict then quantises the whole weight and keeps this rank's slice.
+        return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) if is_nf4(_local(t)) else t
                 for name, t in state.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        for part in self.model_parts:
-            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+        load_model_state(self.model_parts, state, StateDictOptions(strict=False))
 
     def refusal(self, metadata) -> str | None:
         """A one-line reason why a DCP checkpoint (its ``metadata``) cannot fill these model parts, else None:
@@ -92,6 +92,23 @@ class ModelState(Stateful):
         return (f"it holds no {missing[0]}" + (f" (nor {len(missing) - 1} more weights)" if len(missing) > 1 else "")
                 + ": it was saved from a model built differently (model.flavor, or model.mtp_depth: multi-token "
                 "prediction blocks are layers.{n_layers}...; set model.mtp_depth = 0 to go on without them)")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def load_model_state(model_parts: list[nn.Module], state: dict[str, torch.Tensor], options: StateDictOptions) -> None:
+    """``state`` (names of the unwrapped model) into the model parts, as set_model_state_dict loads it; an NF4 weight
+    (a QLoRA base) takes its whole value, quantised once and sliced (seeded_init.assign_whole_), never a slice
+    quantised on its own."""
+    state = dict(state)
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            if is_nf4(_local(param)) and (value := state.pop(canonical_name(name), None)) is not None:
+                assign_whole_(param, value)
+    for part in model_parts:
+        set_model_state_dict(part, state, options=options)
 
 
 class OptimizerState(Stateful):

@@ -21,12 +21,12 @@ from torchtitan.config import ConfigError
 from torchtitan.config.job_config import LoRA as LoRAConfig
 from torchtitan.log import logger, quiet_torchao_import
 from torchtitan.models.shared.lora import (
+    NF4_BLOCK,
+    NF4_SCALER_BLOCK,
     add_adapter,
     is_adapted,
     is_adapter_param,
-    is_nf4,
     mark_nf4,
-    nf4_modules,
     nf4_weights,
 )
 from torchtitan.models.shared.seeded_init import canonical_name, init_param_
@@ -34,15 +34,14 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.protocols.train_spec import get_train_spec
 
 _IN_BLOCK = re.compile(r"^layers\.\d+\.(.+)$")
-# torchao's NF4 layout (the QLoRA paper's): absmax scales per 64 values, quantised in groups of 256.
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
-def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
+def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4Tensor of ``weight`` (on the meta device: an empty one of its shape, filled at init)."""
     quiet_torchao_import()
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
-    return torchao_to_nf4(weight.contiguous(), block_size, scaler_block_size)
+    return torchao_to_nf4(weight.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
 
 
 def config_problems(cfg: LoRAConfig, converters: list[str], parallelism) -> list[tuple[str, str]]:
@@ -66,7 +65,7 @@ def config_problems(cfg: LoRAConfig, converters: list[str], parallelism) -> list
         for key in ("tensor_parallel_degree", "expert_parallel_degree"):
             if getattr(parallelism, key) > 1:
                 problems.append((f"parallelism.{key}", "must be 1 with lora.base_dtype = 'nf4': the NF4 base is "
-                                 "held whole on every rank (data parallelism, FSDP and pipelining work)"))
+                                 "sharded by FSDP only (data parallelism, FSDP/HSDP and pipelining work)"))
         if "float8" in converters:
             problems.append(("model.converters", "lists 'float8', whose matmuls need a high-precision weight; "
                              "lora.base_dtype = 'nf4' stores the base in 4 bits (use one or the other)"))
@@ -160,7 +159,9 @@ class LoRAConverter:
     @staticmethod
     def _mark_nf4(model: nn.Module) -> None:
         """QLoRA: every block's Linear base weight that NF4 can hold (whole 64-value blocks, their scales in
-        whole groups of 256) is to be stored in NF4; the router's gate stays (it chooses the experts)."""
+        whole groups of 256) becomes an NF4 weight, on the meta device, in the stored dtype (the model was cast
+        before conversion; a cast would dequantize it); the model's init fills it (seeded_init.assign_whole_).
+        The router's gate stays (it chooses the experts)."""
         kept = []
         for name, module in model.named_modules():
             if not (_IN_BLOCK.match(name) and isinstance(module, nn.Linear)) or is_adapter_param(name + ".weight") \
@@ -170,6 +171,7 @@ class LoRAConverter:
                 kept.append(name)
             else:
                 mark_nf4(module)
+                module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
         logger.info(f"lora: the base's block Linear weights are stored in NF4 ({len(nf4_weights(model))} weights"
                     + (f"; kept in training.dtype, too small for NF4's blocks: {', '.join(kept)}" if kept else "")
                     + ")")
@@ -190,12 +192,6 @@ class LoRAConverter:
                 else:
                     init_param_(module.lora_a.weight, f"{name}.lora_a.weight", seed, _kaiming_uniform)
                     module.lora_b.weight.zero_()
-        for module in nf4_modules(model_part):
-            if not is_nf4(module.weight):
-                # Quantised from the initialised weight; a base checkpoint loads into it later (NF4's copy_
-                # quantises the whole incoming weight).
-                module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),
-                                             requires_grad=False)
 
     def post_optimizer_hook(self, model_parts: list[nn.Module]) -> None:
         pass

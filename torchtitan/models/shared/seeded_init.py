@@ -2,7 +2,8 @@
 
 Each parameter is drawn in full, on the CPU, from a generator seeded by (seed, parameter name),
 then the slice this rank holds is copied in. The values therefore depend on neither the mesh, nor
-the order modules are visited in, nor the device.
+the order modules are visited in, nor the device. A QLoRA base's NF4 weight is quantised from the whole
+drawn weight, then sliced (``assign_whole_``, which loads of a base use too).
 """
 
 import math
@@ -10,7 +11,9 @@ import zlib
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from torchtitan.models.shared.lora import is_nf4, set_nf4_
 
 FillFn = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -36,12 +39,36 @@ def init_param_(param: torch.Tensor, name: str, seed: int, fill: FillFn) -> None
     """Fill ``param`` (a plain tensor or a DTensor shard) with ``fill`` applied to its full shape."""
     full = torch.empty(param.shape, dtype=torch.float32)
     fill(full, generator_for(seed, name))
+    assign_whole_(param, full)
+
+
+@torch.no_grad()
+def assign_whole_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give ``param`` (a plain tensor, a DTensor shard, or an NF4 weight, whole or sharded) the value ``full``, the
+    whole tensor, the same on every rank: each rank keeps its slice. An NF4 weight is quantised from the whole
+    value once, then sliced, so every layout holds the single process's exact codes and scales."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if is_nf4(local):
+        whole = type(local).from_tensor(full.to(local.quantized_data.device, local.dtype), local.block_size,
+                                        local.scaler_block_size)
+        set_nf4_(local, _local_rows(whole, param) if isinstance(param, DTensor) else whole)
+        return
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank holds the same full tensor, so slice locally, no comms.
         full = distribute_tensor(
             full.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
         )
     param.copy_(full)
+
+
+def _local_rows(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's slice of ``whole`` as ``like`` (a DTensor of whole rows: FSDP's Shard(0), replicated elsewhere)
+    holds it."""
+    for dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            assert placement.dim == 0, f"a slice of rows is expected, not {placement}"
+            whole = torch.chunk(whole, like.device_mesh.size(dim))[like.device_mesh.get_local_rank(dim)]
+    return whole
 
 
 def normal_(std: float, truncate: bool = True) -> FillFn:
