@@ -7,7 +7,8 @@ batch 1 x 8192 in bf16 with selective per-op activation checkpointing, on the em
 runs in its own process and reports the median over steps --skip+1 .. --steps of the trainer's own metrics
 (tokens/s per device, MFU against the device's dense bf16 peak, peak allocated memory). Configurations: eager,
 compiled, compiled + float8 tensorwise, compiled + float8 rowwise, compiled without AC, compiled + chunked loss.
---flavor/--layers/--seq_len/--configs make a small run for a machine without a large GPU (or without one).
+--flavor/--layers/--seq_len/--configs make a small run for a machine without a large GPU (or without one);
+--json appends each row as one JSON line as it is measured (scripts/gpu_check.py reads them).
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
 
-from report import Table, environment
+from report import Table, append_json, environment, figure, median_of
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 COMPILED = ["--compile.enable"]
@@ -52,7 +52,14 @@ def run_config(args, flags: list[str]) -> dict:
             return {"error": lines[-1] if lines else f"exit {result.returncode}"}
         rows = [json.loads(line) for line in (pathlib.Path(dump) / "metrics.jsonl").read_text().splitlines()]
     kept = [r for r in rows if "tps" in r and r["step"] > args.skip]
-    return {key: statistics.median(r[key] for r in kept) for key in ("tps", "mfu", "memory_gib", "loss")}
+    return {key: median_of(kept, key) for key in ("tps", "mfu", "memory_gib", "loss")}
+
+
+def table_row(name: str, result: dict) -> str:
+    if "error" in result:
+        return f"| {name} | failed: {result['error'][:120]} | | | |"
+    return (f"| {name} | {figure(result['tps'], ',.0f')} | {figure(result['mfu'], '.1f')} | "
+            f"{figure(result['memory_gib'], '.1f')} | {figure(result['loss'], '.3f')} |")
 
 
 def train_with_flavor(spec: dict) -> int:
@@ -73,6 +80,7 @@ def main() -> int:
     parser.add_argument("--seq_len", type=int, default=8192)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
     parser.add_argument("--output", type=pathlib.Path, help="also write the table (markdown) here")
+    parser.add_argument("--json", type=pathlib.Path, help="also append each row here as one JSON line, as measured")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
@@ -93,12 +101,8 @@ def main() -> int:
     ], args.output)
     for name in names:
         result = run_config(args, CONFIGS[name])
-        if "error" in result:
-            row = f"| {name} | failed: {result['error'][:120]} | | | |"
-        else:
-            row = (f"| {name} | {result['tps']:,.0f} | {result['mfu']:.1f} | {result['memory_gib']:.1f} | "
-                   f"{result['loss']:.3f} |")
-        table.add(row)
+        append_json(args.json, {"configuration": name, "layers": args.layers, "seq_len": args.seq_len, **result})
+        table.add(table_row(name, result))
     table.close()
     return 0
 

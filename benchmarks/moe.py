@@ -13,6 +13,10 @@
 rows, e.g. the loop path at 64 experts on one thread:
 
     python benchmarks/moe.py --threads 1 --experts 64,256,768,8192
+
+``--sections`` picks among the three parts above; ``--gpu_layers``, ``--gpu_seq_len`` and ``--gpu_modes`` size the
+third to a smaller GPU, and ``--json`` appends every row as one JSON line as it is measured (scripts/gpu_check.py
+runs ``--sections experts,gpu`` this way).
 """
 
 import argparse
@@ -32,8 +36,13 @@ sys.path.insert(0, str(REPO))
 from torchtitan.components.expert_load import time_expert_paths  # noqa: E402
 from torchtitan.hardware import cpu_model  # noqa: E402
 
+from report import append_json, figure, median_of  # noqa: E402
+
 # (label, local experts, dim, expert width, routed rows)
 SHAPES = [("debugmodel", 8, 64, 32, 8 * 256 * 2), ("30B-A3B widths, 16 local experts", 16, 2048, 768, 2048 * 8)]
+SECTIONS = ("experts", "trainer", "gpu")
+GPU_MODES = {"eager": ["--compile.no_enable"], "compiled": ["--compile.enable"]}
+GPU_LAYERS = (1, 2, 3, 4)  # the 30B-A3B cuts benchmarks/moe_flavors.py registers
 
 
 def dtypes_to_time(device: torch.device) -> list[torch.dtype]:
@@ -69,7 +78,22 @@ def main() -> None:
                         help="time only the routed experts of this shape (repeatable); prints, writes nothing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=5, help="timed passes per path (the best is kept)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: "
+                        + ", ".join(SECTIONS) + " (the parts 1-3 above; gpu runs only on a CUDA machine)")
+    parser.add_argument("--gpu_layers", type=int, default=4, choices=GPU_LAYERS,
+                        help="layers of the Qwen3-30B-A3B cut in the one-GPU section")
+    parser.add_argument("--gpu_seq_len", type=int, default=8192, help="sequence length of the one-GPU section")
+    parser.add_argument("--gpu_modes", default=",".join(GPU_MODES),
+                        help="comma-separated subset of: " + ", ".join(GPU_MODES) + " (the one-GPU section's rows)")
+    parser.add_argument("--json", type=Path, help="also append each row here as one JSON line, as measured")
     args = parser.parse_args()
+    sections = [name.strip() for name in args.sections.split(",")]
+    modes = [name.strip() for name in args.gpu_modes.split(",")]
+    for flag, names, valid in (("--sections", sections, SECTIONS), ("--gpu_modes", modes, GPU_MODES)):
+        if not names or any(name not in valid for name in names):
+            parser.error(f"{flag} {','.join(names)!r}: each must be one of {', '.join(valid)}")
+    if args.gpu_seq_len < 1:
+        parser.error(f"--gpu_seq_len {args.gpu_seq_len}: must be a positive number of tokens")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,20 +103,21 @@ def main() -> None:
         print(f"# routed experts on {name} (torch {torch.__version__}), best of {args.repeats}")
         for spec in args.experts:
             experts, dim, hidden, rows = (int(v) for v in spec.split(","))
-            for line in expert_rows(f"{experts} experts", experts, dim, hidden, rows, device, args.repeats):
+            for line in expert_rows(f"{experts} experts", experts, dim, hidden, rows, device, args.repeats, args.json):
                 print(line, flush=True)
         return
     # The trainer runs first: a child process inherits its parent's peak resident set on Linux, and the expert
     # timings below grow this one's to gigabytes.
-    trainer_lines = trainer_section(args.steps)
-    lines = [f"# MoE benchmarks on {name} (torch {torch.__version__})", "",
-             "## Routed experts alone (forward + backward, tokens spread evenly; best of 5)", "",
-             "| shape | dtype | routed rows | grouped GEMM (ms) | loop (ms) | loop / grouped |",
-             "|---|---|---|---|---|---|"]
-    for label, experts, dim, hidden, rows in SHAPES:
-        for line in expert_rows(label, experts, dim, hidden, rows, device, repeats=5):
-            lines.append(line)
-            print(line, flush=True)
+    trainer_lines = trainer_section(args, sections, modes)
+    lines = [f"# MoE benchmarks on {name} (torch {torch.__version__})"]
+    if "experts" in sections:
+        lines += ["", "## Routed experts alone (forward + backward, tokens spread evenly; best of 5)", "",
+                  "| shape | dtype | routed rows | grouped GEMM (ms) | loop (ms) | loop / grouped |",
+                  "|---|---|---|---|---|---|"]
+        for label, experts, dim, hidden, rows in SHAPES:
+            for line in expert_rows(label, experts, dim, hidden, rows, device, 5, args.json):
+                lines.append(line)
+                print(line, flush=True)
     lines += trainer_lines
     text = "\n".join(lines) + "\n"
     print(text)
@@ -101,18 +126,30 @@ def main() -> None:
 
 
 def expert_rows(label: str, experts: int, dim: int, hidden: int, rows: int, device: torch.device,
-                repeats: int) -> list[str]:
+                repeats: int, json_path: Path | None) -> list[str]:
     """One table row per dtype: both expert paths' best forward + backward time."""
     lines = []
     for dtype in dtypes_to_time(device):
         timings = time_expert_paths(experts, dim, hidden, rows, dtype, device, repeats=repeats)
         grouped, loop = timings["grouped"], timings["loop"]
+        append_json(json_path, {"section": "experts", "shape": f"{label} ({experts} x {dim} x {hidden})",
+                                "dtype": str(dtype)[6:], "rows": rows, "grouped_ms": grouped * 1e3,
+                                "loop_ms": loop * 1e3})
         lines.append(f"| {label} ({experts} x {dim} x {hidden}) | {str(dtype)[6:]} | {rows:,} | "
                      f"{grouped * 1e3:.2f} | {loop * 1e3:.2f} | {loop / grouped:.2f}x |")
     return lines
 
 
-def trainer_section(steps: int) -> list[str]:
+def trainer_section(args, sections: list[str], modes: list[str]) -> list[str]:
+    """The trainer's rows: part 2 (where asked for) and, on a CUDA machine, part 3."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = debug_trainer_rows(args.steps, Path(tmp), args.json) if "trainer" in sections else []
+        if "gpu" in sections and torch.cuda.is_available():
+            lines += gpu_section(Path(tmp), args, modes)
+    return lines
+
+
+def debug_trainer_rows(steps: int, tmp: Path, json_path: Path | None) -> list[str]:
     common = ["--job.config_file", "train_configs/qwen3_moe_debug.toml", "--training.steps", str(steps),
               "--metrics.log_freq", "1"]
     layouts = [("1 process", 1, ["--training.local_batch_size", "8"]),
@@ -122,37 +159,42 @@ def trainer_section(steps: int) -> list[str]:
              "Two processes share the machine's cores, so they show the overhead of each layout, not a speed-up.", "",
              "| layout | expert path | tokens/s per device | tokens/s aggregate | peak memory (GiB) |",
              "|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, nproc, flags) in enumerate(layouts):
-            for path in ("grouped", "loop"):
-                if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-                    lines.append(f"| {label} | {path} | needs {nproc} GPUs; this machine has "
-                                 f"{torch.cuda.device_count()} | | |")
-                    continue
-                rows = run_trainer(nproc, [*common, *flags, "--moe.expert_compute", path], Path(tmp) / f"{i}{path}")
-                tps = steady(rows, "tps")
-                lines.append(f"| {label} | {path} | {tps:,.0f} | {tps * nproc:,.0f} | "
-                             f"{max(r['memory_gib'] for r in rows):.2f} |")
-                print(lines[-1], flush=True)
-        if torch.cuda.is_available():
-            lines += gpu_section(Path(tmp), steps)
+    for i, (label, nproc, flags) in enumerate(layouts):
+        for path in ("grouped", "loop"):
+            if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+                lines.append(f"| {label} | {path} | needs {nproc} GPUs; this machine has "
+                             f"{torch.cuda.device_count()} | | |")
+                continue
+            rows = run_trainer(nproc, [*common, *flags, "--moe.expert_compute", path], tmp / f"{i}{path}")
+            tps = steady(rows, "tps")
+            memory = max(r["memory_gib"] for r in rows)
+            append_json(json_path, {"section": "trainer", "layout": label, "path": path, "tps": tps,
+                                    "memory_gib": memory})
+            lines.append(f"| {label} | {path} | {tps:,.0f} | {tps * nproc:,.0f} | {memory:.2f} |")
+            print(lines[-1], flush=True)
     return lines
 
 
-def gpu_section(tmp: Path, steps: int) -> list[str]:
-    """Qwen3-30B-A3B widths, 4 layers, one GPU (benchmarks/moe_flavors.py registers the flavor)."""
-    lines = ["", "## One GPU: Qwen3-30B-A3B widths, 4 layers, batch 1 x 8192, selective per-op AC, bf16, AdamW", "",
-             "| mode | tokens/s | MFU (active parameters) | peak memory (GiB) |", "|---|---|---|---|"]
+def gpu_section(tmp: Path, args, modes: list[str]) -> list[str]:
+    """Qwen3-30B-A3B widths cut to --gpu_layers layers, one GPU (benchmarks/moe_flavors.py registers the flavor)."""
+    layers, seq_len = args.gpu_layers, args.gpu_seq_len
+    lines = ["", f"## One GPU: Qwen3-30B-A3B widths, {layers} layers, batch 1 x {seq_len}, selective per-op AC, bf16, "
+             "AdamW", "", "| mode | tokens/s | MFU (active parameters) | peak memory (GiB) |", "|---|---|---|---|"]
     base = ["--job.config_file", "train_configs/qwen3_moe_30b_a3b.toml", "--experimental.custom_import",
-            "benchmarks.moe_flavors", "--model.flavor", "30B-A3B-4layers", "--model.hf_assets_path", "assets/tokenizer",
-            "--training.local_batch_size", "1", "--training.seq_len", "8192", "--training.steps", str(max(steps, 25)),
-            "--parallelism.expert_parallel_degree", "1", "--metrics.log_freq", "1",
-            "--training.mixed_precision_param", "bfloat16"]
-    for mode, extra in (("eager", ["--compile.no_enable"]), ("compiled", ["--compile.enable"])):
-        rows = run_trainer(1, [*base, *extra], tmp / f"gpu_{mode}")
+            "benchmarks.moe_flavors", "--model.flavor", f"30B-A3B-{layers}layers", "--model.hf_assets_path",
+            "assets/tokenizer", "--training.local_batch_size", "1", "--training.seq_len", str(seq_len),
+            "--training.steps", str(max(args.steps, 25)), "--parallelism.expert_parallel_degree", "1",
+            "--metrics.log_freq", "1", "--training.mixed_precision_param", "bfloat16"]
+    for mode in modes:
+        rows = run_trainer(1, [*base, *GPU_MODES[mode]], tmp / f"gpu_{mode}")
         window = rows[5:25]
-        lines.append(f"| {mode} | {statistics.median(r['tps'] for r in window):,.0f} | "
-                     f"{statistics.median(r['mfu'] for r in window):.1f}% | {max(r['memory_gib'] for r in rows):.1f} |")
+        tps, mfu = median_of(window, "tps"), median_of(window, "mfu")
+        memory = max(r["memory_gib"] for r in rows)
+        append_json(args.json, {"section": "gpu", "mode": mode, "layers": layers, "seq_len": seq_len, "tps": tps,
+                                "mfu": mfu, "memory_gib": memory})
+        percent = "n/a" if mfu is None else f"{mfu:.1f}%"
+        lines.append(f"| {mode} | {figure(tps, ',.0f')} | {percent} | {memory:.1f} |")
+        print(lines[-1], flush=True)
     return lines
 
 

@@ -3,8 +3,10 @@ measured and optionally written to a file."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import platform
+import statistics
 
 import torch
 
@@ -18,6 +20,26 @@ def environment() -> str:
     else:
         device = f"no GPU: CPU {cpu_model()}, {torch.get_num_threads()} threads"
     return f"torch {torch.__version__}, {device}, Python {platform.python_version()}"
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    """The median of ``key`` over the metrics rows that have it; None where none has (the trainer logs mfu as null
+    on a GPU whose peak it does not know)."""
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def figure(value: float | None, spec: str) -> str:
+    """``value`` formatted by ``spec``, or n/a."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def append_json(path: pathlib.Path | None, record: dict) -> None:
+    """One measured row as one JSON line appended to ``path`` (nothing when None), written as it is measured so
+    that a caller that stops the run early (scripts/gpu_check.py) keeps the rows done."""
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 class Table:

@@ -126,3 +126,36 @@ def test_strong_decay_with_a_document_starting_inside_a_chunk_stays_finite_and_e
     want = torch.autograd.grad(expected.sum() + expected_state.sum(), inputs)
     for a, b in zip(grads, want):
         assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-10
+
+
+def varlen_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """fla's chunk_gated_delta_rule contract in varlen mode (one packed row, sequences cut at cu_seqlens, one
+    incoming and one final state per sequence), computed with the chunked form: fla's stand-in on a CPU."""
+    assert q.shape[0] == 1 and scale == 1.0 and output_final_state
+    outputs, finals = [], []
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        state = None if initial_state is None else initial_state[i:i + 1]
+        out, final = gated_delta_rule(*(t[:, start:end] for t in (q, k, v, g, beta)), None, state)
+        outputs.append(out)
+        finals.append(final)
+    return torch.cat(outputs, dim=1), torch.cat(finals)
+
+
+def test_the_fla_wrapper_is_called_as_the_layer_calls_it_and_keeps_the_contract():
+    """The layer calls the kernel with six arguments (no incoming state), context parallelism with seven; through
+    fla's varlen contract both equal the chunked form, documents and the carried state included."""
+    from functools import partial
+
+    from torchtitan.models.shared.gated_deltanet import _fla_gated_delta_rule
+
+    gen = fresh_generator()
+    q, k, v, g, beta = random_inputs(2, 90, 3, 8, 5, torch.float64, gen)
+    resets = torch.zeros(2, 90, dtype=torch.bool)
+    resets[0, [20, 21, 64]] = True
+    resets[1, 0] = True  # the second row's first document does not continue the incoming state
+    kernel = partial(_fla_gated_delta_rule, varlen_reference)
+    # fla keeps states in float32: an incoming state that float32 holds exactly.
+    for state in (None, torch.randn(2, 3, 8, 5, dtype=torch.float64, generator=gen).float().double()):
+        args = (q, k, v, g, beta, resets) if state is None else (q, k, v, g, beta, resets, state)
+        for ours, reference in zip(kernel(*args), gated_delta_rule(*args)):
+            torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-10)

@@ -93,7 +93,7 @@ def _log_kernel_once(name: str) -> None:
 
 
 @torch.compiler.disable
-def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state):
+def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state=None):
     """The same contract as gated_delta_rule through fla's varlen mode: every document of every row is one
     sequence of a single packed row (cu_seqlens); the incoming state feeds each row's first document unless that
     document starts at the row's first token."""
