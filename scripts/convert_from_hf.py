@@ -6,7 +6,6 @@ The output is a DCP folder holding the model weights; start training from it wit
 --checkpoint.initial_load_path outputs/seed (or load it with torchtitan.load_model).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,11 +15,12 @@ from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.config import ConfigError, load_config
+from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_hf_weights
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("hf_folder", type=Path)
     parser.add_argument("output", type=Path)
     parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")

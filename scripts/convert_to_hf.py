@@ -11,7 +11,6 @@ adapter folder, adapter_config.json + adapter_model.safetensors, for peft.PeftMo
 the base's Hugging Face folder).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,12 +19,13 @@ from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
+from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")

@@ -32,6 +32,7 @@ from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.distributed.pipeline_parallel import count_stages
 from torchtitan.models.llama3.args import Llama3ModelArgs, llama3_flavors
 from torchtitan.planner import DEVICE_MEMORY_GIB, GPU_EFFICIENCY, PlanError, model_shape, plan
+from torchtitan.script_args import ScriptParser, integer, real
 
 TOKENS_PER_PARAM = 22
 WARMUP_FRACTION = 0.02
@@ -41,30 +42,30 @@ CUSTOM_DIMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_di
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 2)[2],
+    parser = ScriptParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model (a registered flavor, or custom dimensions)")
     model.add_argument("--flavor", help=f"registered llama3 flavor: {', '.join(llama3_flavors)}")
     model.add_argument("--name", default="custom", help="flavor name for custom dimensions (default: custom)")
     for dim in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
-        model.add_argument(f"--{dim}", type=int, help=f"custom model: {dim}")
-    model.add_argument("--ffn_dim_multiplier", type=float, help="custom model: ffn_dim_multiplier")
+        model.add_argument(f"--{dim}", type=integer(1), help=f"custom model: {dim}")
+    model.add_argument("--ffn_dim_multiplier", type=real(0, low_open=True), help="custom model: ffn_dim_multiplier")
     model.add_argument("--hf_assets_path", default="assets/tokenizer",
                        help="tokenizer folder (default: assets/tokenizer)")
     cluster = parser.add_argument_group("cluster and batch")
-    cluster.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    cluster.add_argument("--gpus_per_node", type=int, default=8, help="devices per node (default 8)")
+    cluster.add_argument("--nodes", type=integer(1), default=1, help="nodes (default 1)")
+    cluster.add_argument("--gpus_per_node", type=integer(1), default=8, help="devices per node (default 8)")
     cluster.add_argument("--device", type=str.upper, default="H100", choices=[*DEVICE_MEMORY_GIB, "CPU"],
                          help="device kind, for the fit check that decides tensor parallelism (default H100)")
-    cluster.add_argument("--global_batch_size", type=int, required=True, help="sequences per optimizer step")
-    cluster.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    cluster.add_argument("--local_batch_size", type=int, help=f"sequences per micro-batch per rank "
+    cluster.add_argument("--global_batch_size", type=integer(1), required=True, help="sequences per optimizer step")
+    cluster.add_argument("--seq_len", type=integer(1), default=2048, help="tokens per sequence (default 2048)")
+    cluster.add_argument("--local_batch_size", type=integer(1), help=f"sequences per micro-batch per rank "
                          f"(default: the largest divisor of global_batch / dp that is <= {MAX_LOCAL_BATCH})")
-    cluster.add_argument("--tokens", type=float,
+    cluster.add_argument("--tokens", type=real(0, low_open=True),
                          help=f"training tokens (default {TOKENS_PER_PARAM} x non-embedding parameters)")
-    cluster.add_argument("--tp", type=int, help="tensor-parallel degree (default: 1, or the least that fits)")
-    cluster.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    cluster.add_argument("--dp_shard", type=int, help="FSDP degree (default: all ranks left over)")
+    cluster.add_argument("--tp", type=integer(1), help="tensor-parallel degree (default: 1, or the least that fits)")
+    cluster.add_argument("--pp", type=integer(1), default=1, help="pipeline-parallel degree (default 1)")
+    cluster.add_argument("--dp_shard", type=integer(1), help="FSDP degree (default: all ranks left over)")
     cluster.add_argument("--activation_checkpoint", choices=["none", "selective", "full"], default="selective",
                          help="activation checkpointing mode (default: selective, every 2nd block)")
     out = parser.add_argument_group("output")
@@ -86,12 +87,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("custom dimensions need at least --dim, --n_layers and --n_heads")
     if custom and not args.name.isidentifier():
         raise ValueError(f"--name {args.name!r} is invalid; it must be a Python identifier")
-    for flag in ("nodes", "gpus_per_node", "global_batch_size", "seq_len", "pp"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} {getattr(args, flag)} is invalid; it must be >= 1")
-    for flag in ("local_batch_size", "tp", "dp_shard", "tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag} {getattr(args, flag)} is invalid; it must be > 0")
 
 
 def steps_for(tokens: float, global_batch_size: int, seq_len: int) -> int:
