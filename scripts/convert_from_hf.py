@@ -7,7 +7,6 @@ The output is a DCP folder holding the model weights; start training from it wit
 or empty; it is written whole or not at all (torchtitan/output_folder.py).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,12 +16,13 @@ from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.config import ConfigError, load_config
+from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_hf_weights
 from torchtitan.output_folder import OutputError, folder_problem, written_whole
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("hf_folder", type=Path)
     parser.add_argument("output", type=Path)
     parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")

@@ -13,7 +13,6 @@ the base's Hugging Face folder).
 The output folder must be new or empty; it is written whole or not at all (torchtitan/output_folder.py).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,13 +21,14 @@ from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
+from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
 from torchtitan.output_folder import OutputError, folder_problem, written_whole
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")

@@ -19,6 +19,11 @@ import fnmatch
 import pathlib
 import sys
 
+# Let the script run from a checkout without installing the package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from torchtitan.script_args import ScriptParser  # noqa: E402
+
 # The files each asset kind consists of, as hub file patterns.
 ASSET_PATTERNS = {
     "tokenizer": ["tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"],
@@ -29,7 +34,7 @@ ASSET_PATTERNS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line: a repository id and what to fetch."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("repo_id", help="hub repository, e.g. meta-llama/Meta-Llama-3.1-8B")
     parser.add_argument("--assets", nargs="+", choices=sorted(ASSET_PATTERNS), default=["tokenizer"],
                         help="what to download (default: tokenizer)")

@@ -15,7 +15,6 @@ exp(val_loss) the training run logged for the same step and data. Any trainer fl
 --validation.steps 20, --validation.local_batch_size 4 ...
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,10 +24,11 @@ from torchtitan.config import ConfigError
 from torchtitan.data import DataError
 from torchtitan.device_arg import default_device, parse_device
 from torchtitan.evaluation import evaluate
+from torchtitan.script_args import ScriptParser, integer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = ScriptParser(description=__doc__.splitlines()[0],
                                      epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("--config", required=True,
                         help="the TOML the checkpoint was trained with "
@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--tasks", help="comma-separated lm-eval tasks (e.g. pydocs_mc, built in) instead of perplexity")
-    parser.add_argument("--limit", type=int, help="--tasks: at most this many examples per task")
-    parser.add_argument("--num_fewshot", type=int, help="--tasks: few-shot examples per prompt (default: each task's)")
-    parser.add_argument("--batch_size", type=int, default=8, help="--tasks: sequences scored per forward")
+    parser.add_argument("--limit", type=integer(1), help="--tasks: at most this many examples per task")
+    parser.add_argument("--num_fewshot", type=integer(0),
+                        help="--tasks: few-shot examples per prompt (default: each task's)")
+    parser.add_argument("--batch_size", type=integer(1), default=8, help="--tasks: sequences scored per forward")
     args, overrides = parser.parse_known_args(argv)
     bad = [flag for flag in overrides if flag.startswith("-") and not flag.startswith("--") or flag == "--"]
     if bad:

@@ -24,19 +24,22 @@ from torchtitan.device_arg import default_device, parse_device
 from torchtitan.generation import SamplingConfig, generate
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
+from torchtitan.script_args import SEED, ScriptParser, integer, real
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
     parser.add_argument("--checkpoint", help="DCP step folder or Hugging Face folder (default: untrained weights)")
     parser.add_argument("--prompt", default="", help="text to continue (BOS is prepended; default: empty)")
-    parser.add_argument("--max_new_tokens", type=int, default=50, help="tokens to generate at most (default 50)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
-    parser.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens; 0 = all (default)")
-    parser.add_argument("--top_p", type=float, default=1.0,
+    parser.add_argument("--max_new_tokens", type=integer(1), default=50, help="tokens to generate at most (default 50)")
+    parser.add_argument("--temperature", type=real(0, note="0: greedy"), default=1.0,
+                        help="softmax temperature; 0 = greedy (default 1.0)")
+    parser.add_argument("--top_k", type=integer(0, note="0: all"), default=0,
+                        help="sample among the k most likely tokens; 0 = all (default)")
+    parser.add_argument("--top_p", type=real(0, 1, low_open=True, note="1: all"), default=1.0,
                         help="sample among the most likely tokens holding this probability mass; 1 = all (default)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=SEED, default=0, help="sampling seed (default 0)")
     parser.add_argument("--device", default=default_device(),
                         help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--no_stop_at_eos", action="store_true", help="keep generating past the end-of-text token")

@@ -16,7 +16,7 @@ Exit codes:
   2  the config or command line cannot be planned: one line `error: ...` on stderr naming the
      field and its value (an unknown flavor, degrees that do not multiply to --world_size, ...)
   1  the planner itself failed on a config it accepted (a bug): one line `error: ...` on stderr
-Usage errors (no --config, an unknown --device) are argparse's: the usage, one error line, exit 2.
+Usage errors (no --config, an unknown --device, a number out of range) are one line `error: ...`, exit 2.
 """
 
 import argparse
@@ -29,6 +29,7 @@ from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
 from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, layout_problem, plan, smallest_world_size
 from torchtitan.protocols.train_spec import TOKENIZER_FILES, get_train_spec
+from torchtitan.script_args import ScriptParser, integer, real
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
 FITS, PLANNER_BUG, CANNOT_PLAN, DOES_NOT_FIT = 0, 1, 2, 3
@@ -56,22 +57,18 @@ def validate(cfg: JobConfig, sources: ConfigSources, world_size: int, vocab_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("--config", required=True, help="training TOML")
     parser.add_argument("--device", required=True, type=str.upper, choices=DEVICES, help="device kind")
-    parser.add_argument("--world_size", type=int,
+    parser.add_argument("--world_size", type=integer(1),
                         help="devices in the run (default 1); the config's parallel degrees must multiply to it")
-    parser.add_argument("--efficiency", type=float,
+    parser.add_argument("--efficiency", type=real(0, 1, low_open=True),
                         help="fraction of peak FLOP/s reached (default 0.40 on GPUs; "
                              "on CPU the kernels are timed instead)")
-    parser.add_argument("--vocab_size", type=int,
+    parser.add_argument("--vocab_size", type=integer(1),
                         help="vocabulary size, for flavors that take it from a tokenizer you do not have locally")
     args, overrides = parser.parse_known_args(argv)
-    for flag in ("world_size", "vocab_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            return error(f"--{flag} {value} is invalid; it must be >= 1", CANNOT_PLAN)
     world_size, cfg = args.world_size or 1, None
     try:
         cfg, sources = load_config(["--job.config_file", args.config, *overrides])

@@ -19,7 +19,6 @@ write is ever overwritten or removed.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import multiprocessing
@@ -32,6 +31,7 @@ from torchtitan.data import DataError, build_tokenizer, load_documents  # noqa: 
 from torchtitan.data.shards import is_shard_folder, output_problem, write_shards  # noqa: E402
 from torchtitan.data.sources import HubDocuments  # noqa: E402
 from torchtitan.remote import is_url  # noqa: E402
+from torchtitan.script_args import ScriptParser, integer  # noqa: E402
 
 _DOCUMENTS_PER_TASK = 256
 _worker_tokenizer = None
@@ -75,7 +75,7 @@ def _input_problem(output: pathlib.Path, dataset_path: str | None) -> str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--dataset", help="a registered text dataset, e.g. pydocs")
     where.add_argument("--dataset_path", help="local file or folder (json/jsonl/parquet/arrow/txt)")
@@ -85,13 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text_column", default="text", help="column holding the text (default text)")
     parser.add_argument("--tokenizer", default="assets/tokenizer", help="tokenizer folder (model.hf_assets_path)")
     parser.add_argument("--output", required=True, help="the shard folder to write (replaced when complete)")
-    parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1),
+    parser.add_argument("--workers", type=integer(1), default=max(1, multiprocessing.cpu_count() - 1),
                         help="tokenizing processes (default: CPU cores - 1)")
-    parser.add_argument("--shard_tokens", type=int, default=1 << 28, help="tokens per shard, about (default 2^28)")
+    parser.add_argument("--shard_tokens", type=integer(1), default=1 << 28,
+                        help="tokens per shard, about (default 2^28)")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.shard_tokens < 1:
-        print("error: --workers and --shard_tokens must be >= 1", file=sys.stderr)
-        return 2
     output = pathlib.Path(args.output)
     if problem := _input_problem(output, args.dataset_path) or output_problem(output):
         print(f"error: --output {args.output} {problem}", file=sys.stderr)

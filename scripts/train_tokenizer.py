@@ -19,7 +19,6 @@ tokenizer, remove assets/tokenizer first.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import pathlib
@@ -34,6 +33,7 @@ from torchtitan.data import DataError, build_tokenizer, load_documents  # noqa: 
 from torchtitan.data.chat_template import DEFAULT_CHAT_TEMPLATE  # noqa: E402
 from torchtitan.data.tokenizer import LLAMA3_PATTERN  # noqa: E402
 from torchtitan.output_folder import OutputError, folder_problem, written_whole  # noqa: E402
+from torchtitan.script_args import ScriptParser, integer  # noqa: E402
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -151,8 +151,10 @@ def check_formats_agree(output_dir: pathlib.Path, texts: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, train the tokenizer, save it and check the two formats agree."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab-size", type=int, default=2048, help="total vocabulary size, special tokens included")
+    parser = ScriptParser(description=__doc__.splitlines()[0])
+    bytes_and_specials = integer(256 + len(SPECIAL_TOKENS), note=f"256 bytes + {len(SPECIAL_TOKENS)} special tokens")
+    parser.add_argument("--vocab-size", type=bytes_and_specials, default=2048,
+                        help="total vocabulary size, special tokens included")
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("assets/tokenizer"))
     parser.add_argument("--input", nargs="+", help="files or folders to train on (default: pydocs train split)")
     parser.add_argument("--text-column", default="text", help="column holding the text in --input files")

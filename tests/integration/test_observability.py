@@ -162,28 +162,6 @@ def test_peak_table_override_and_unknown_devices(caplog):
     assert "MFU is not reported" in caplog.text
 
 
-def test_cpu_peak_is_measured_once_cached_and_scaled_by_threads(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
-    calls = []
-
-    def fake_measure(dtype, threads):
-        calls.append((dtype, threads))
-        return 2.0
-
-    monkeypatch.setattr(peak_flops, "measure_matmul_tflops", fake_measure)
-    monkeypatch.setattr(peak_flops, "usable_cores", lambda: 4)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert device_peak_tflops(torch.device("cpu"), torch.bfloat16, None) == pytest.approx(0.5)
-        torch.set_num_threads(2)
-        assert device_peak_tflops(torch.device("cpu"), torch.bfloat16, None) == pytest.approx(1.0)
-    finally:
-        torch.set_num_threads(threads)
-    assert calls == [(torch.bfloat16, 4)]  # measured once on all cores, then read from the cache
-    assert "bfloat16" in (tmp_path / "cpu_peak_tflops.json").read_text()
-
-
 def test_matmul_calibration_measures_real_throughput():
     tflops = peak_flops.measure_matmul_tflops(torch.float32, threads=1, budget_seconds=0.5)
     assert 0.001 < tflops < 100

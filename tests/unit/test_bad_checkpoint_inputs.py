@@ -422,3 +422,49 @@ def test_a_crafted_bytes_entry_is_refused_naming_it_and_runs_nothing(tmp_path, d
                           (b"", "cannot read the entry optimizer.param_groups.w.lr: EOFError")):
         with pytest.raises(CheckpointError, match=f"^{re.escape(message)}"):
             SafeLoadPlanner().load_bytes(item, io.BytesIO(data))
+
+
+def as_mxfp4(tensors: dict[str, torch.Tensor]) -> None:
+    """gpt-oss as OpenAI released it: each expert matrix as MXFP4 blocks (16 bytes: 32 four-bit values) and one
+    scale byte per block, in place of the bf16 gate_up_proj / down_proj."""
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        matrix = tensors.pop(name).transpose(1, 2)  # (E, out, in), as the released files store it
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (*matrix.shape[:2], matrix.shape[2] // 32, 16),
+                                                  dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(118, 130, (*matrix.shape[:2], matrix.shape[2] // 32),
+                                                  dtype=torch.uint8)
+
+
+def as_fp8(tensors: dict[str, torch.Tensor]) -> None:
+    """Block-quantised FP8 as DeepSeek-V3 (and the Qwen3 *-FP8 models) are released: each projection in float8 with a
+    float32 scale per 128 x 128 block beside it."""
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        weight = tensors[name]
+        tensors[name] = weight.to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = torch.rand(-(-weight.shape[0] // 128), -(-weight.shape[1] // 128)) + 0.5
+
+
+@pytest.mark.parametrize("config, quantise, tensor, reason", [
+    ("train_configs/gpt_oss_debug.toml", as_mxfp4, "model.layers.0.mlp.experts.down_proj_blocks",
+     "is an MXFP4-quantised expert weight, which this trainer does not read; use a bf16 copy of the model"),
+    (TINY, as_fp8, "model.layers.0.mlp.down_proj.weight_scale_inv",
+     "is the block scale of an FP8-quantised weight, which this trainer does not read; dequantise the model to bf16"),
+])
+def test_quantised_hugging_face_weights_are_refused_as_such_before_their_names_are_checked(
+        tmp_path, config, quantise, tensor, reason):
+    """A checkpoint as released lacks the unquantised tensors as well: the refusal of its format comes first (not
+    'missing tensor ... check model.flavor'), for the trainer, torchtitan.load_model and convert_from_hf alike."""
+    import torchtitan
+
+    folder = edited(hf_folder(config, tmp_path / "made"), tmp_path / "released", quantise)
+    before = snapshot(tmp_path)
+    needle = f"{folder / WEIGHTS_FILE}: {tensor} {reason}"
+    line = assert_one_line_error(convert_from_hf.main, [str(folder), str(tmp_path / "out"), "--config", config],
+                                 needle, unchanged=before)
+    assert "missing" not in line and not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        torchtitan.load_model(config, str(folder))
+    trainer = ["--job.config_file", config, "--training.steps", "1", f"--job.dump_folder={tmp_path / 'dump'}",
+               "--checkpoint.enable", f"--checkpoint.folder={tmp_path / 'ck'}",
+               f"--checkpoint.initial_load_path={folder}", "--checkpoint.initial_load_in_hf"]
+    assert_one_line_error(train.main, trainer, needle, unchanged=before)

@@ -1,11 +1,15 @@
 """Argument checks of scripts/evaluate.py and scripts/generate.py: one-line errors, no model is trained."""
 
+import argparse
+import re
+
 import pytest
 import torch
 
 from scripts import evaluate as evaluate_script
 from scripts import generate as generate_script
 from torchtitan.device_arg import parse_device
+from torchtitan.script_args import integer, real
 
 CONFIG = "train_configs/debug_model.toml"
 
@@ -37,3 +41,90 @@ def test_evaluate_rejects_a_validation_seq_len_the_model_cannot_take(seq_len, ca
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert f"validation.seq_len = {seq_len} is invalid; it must be in 1..256 (training.seq_len" in err
+
+
+def one_line_exit(main, argv: list[str], capsys) -> str:
+    """The one stderr line of a script's ``main(argv)`` that exits 2 while parsing its command line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("flags, valid", [
+    (["--limit", "-1"], "an integer >= 1"),  # lm-eval's islice said ValueError without naming --limit
+    (["--num_fewshot", "-2"], "an integer >= 0"),  # was accepted and scores were printed
+    (["--batch_size", "0"], "an integer >= 1"),
+])
+def test_evaluate_refuses_a_number_out_of_range_while_parsing(flags, valid, capsys):
+    err = one_line_exit(evaluate_script.main, ["--config", CONFIG, "--tasks", "pydocs_mc", *flags], capsys)
+    assert err == f"error: {flags[0]} {flags[1]} is invalid; it must be {valid}"
+
+
+@pytest.mark.parametrize("flags, valid", [
+    (["--temperature", "nan"], "a finite number >= 0 (0: greedy)"),  # nan passed `temperature < 0`
+    (["--top_p", "0"], "a finite number in (0, 1] (1: all)"),
+    (["--seed", "-1"], "an integer in 0..18446744073709551615"),  # torch's generator seed is a uint64
+    (["--max_new_tokens", "2.5"], "an integer >= 1"),
+])
+def test_generate_refuses_a_number_out_of_range_while_parsing(flags, valid, capsys):
+    err = one_line_exit(generate_script.main, ["--config", CONFIG, *flags], capsys)
+    assert err == f"error: {flags[0]} {flags[1]} is invalid; it must be {valid}"
+
+
+SCRIPTS = ["convert_from_hf", "convert_to_hf", "download_hf_assets", "evaluate", "generate", "generate_config", "plan",
+           "tokenize_dataset", "train_tokenizer"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_no_script_takes_a_number_without_its_range(name, monkeypatch):
+    """Every int/float option of every script is a Number (checked while parsing) and its parser says errors in one
+    line, so no script reads a number it has not range-checked."""
+    import argparse
+    import importlib
+    from pathlib import Path
+
+    from torchtitan.script_args import Number, ScriptParser
+
+    assert sorted(p.stem for p in Path("scripts").glob("*.py") if p.stem != "__init__") == SCRIPTS
+    parsers = []
+
+    def capture(self, *args, **kwargs):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"scripts.{name}").main([])
+    (parser,) = parsers
+    assert isinstance(parser, ScriptParser)
+    assert [action.dest for action in parser._actions if action.type in (int, float)] == []
+    assert {action.dest for action in parser._actions if isinstance(action.type, Number)} == set(NUMBERS.get(name, ()))
+
+
+# Each script's numeric options (the test above also finds any new one left a plain int/float).
+NUMBERS = {"evaluate": ("limit", "num_fewshot", "batch_size"),
+           "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed"),
+           "plan": ("world_size", "efficiency", "vocab_size"), "tokenize_dataset": ("workers", "shard_tokens"),
+           "train_tokenizer": ("vocab_size",),
+           "generate_config": ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                               "ffn_dim_multiplier", "nodes", "gpus_per_node", "global_batch_size", "seq_len",
+                               "local_batch_size", "tokens", "tp", "pp", "dp_shard")}
+
+
+@pytest.mark.parametrize("kind, text, valid", [
+    (integer(1), "0", "an integer >= 1"), (integer(0, 3), "4", "an integer in 0..3"),
+    (real(0, 1, low_open=True), "0", "a finite number in (0, 1]"), (real(0, 1, high_open=True), "1", "in [0, 1)"),
+    (real(0), "-inf", "a finite number >= 0"), (real(high=2), "nan", "a finite number <= 2"),
+    (integer(), "1.0", "an integer"),
+])
+def test_a_number_out_of_range_names_the_range(kind, text, valid):
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(f"{text} is invalid; it must be ") + ".*"
+                       + re.escape(valid)):
+        kind(text)
+
+
+def test_a_number_in_range_is_returned_as_its_kind():
+    assert integer(1)("7") == 7 and real(0, 1, low_open=True)("1") == 1.0 and real(0, 1, high_open=True)("0") == 0.0
+    assert type(integer(0)("0")) is int and type(real()("3")) is float

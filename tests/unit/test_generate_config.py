@@ -109,8 +109,18 @@ def test_a_tensor_parallel_degree_the_validation_rejects_is_reported(tmp_path, c
     (["--global_batch_size", "8"], "either --flavor or custom dimensions"),
     (["--flavor", "nope", "--global_batch_size", "8"], "--flavor nope is not registered"),
     (["--flavor", "tiny", "--global_batch_size", "6", "--gpus_per_node", "4"], "not divisible by the data-parallel"),
-    (["--flavor", "tiny", "--global_batch_size", "8", "--nodes", "0"], "--nodes 0 is invalid"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, flags, message):
     assert gc.main([*flags, "--output", str(tmp_path / "x.toml"), "--device", "CPU"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--flavor", "tiny", "--nodes", "0"], "--nodes 0 is invalid; it must be an integer >= 1"),
+    (["--dim", "0", "--n_layers", "2", "--n_heads", "2"], "--dim 0 is invalid; it must be an integer >= 1"),
+    (["--flavor", "tiny", "--tokens", "0"], "--tokens 0 is invalid; it must be a finite number > 0"),
+])
+def test_a_number_out_of_range_is_refused_while_parsing(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        gc.main([*flags, "--global_batch_size", "8", "--output", str(tmp_path / "x.toml"), "--device", "CPU"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"

@@ -97,6 +97,8 @@ def test_loglikelihoods_are_the_plain_forwards_sums(tokenizer):
     (["--eval.freq", "5"], 1, "eval.enable = False but eval.freq is set"),
     (["--eval.enable", "--eval.freq", "0"], 1, "eval.freq = 0 is invalid; it must be > 0"),
     (["--eval.enable", "--eval.tasks", ""], 1, r"eval.tasks = \[\] is empty"),
+    (["--eval.enable", "--eval.limit", "-1"], 1, r"eval.limit = -1 is invalid; it must be >= 0 \(0: every example\)"),
+    (["--eval.enable", "--eval.num_fewshot", "-2"], 1, "eval.num_fewshot = -2 is invalid; it must be >= 0, or -1"),
     (["--eval.enable", "--parallelism.tensor_parallel_degree", "2"], 2, "parallelism.tensor_parallel_degree = 2; "
                                                                        "evaluate checkpoints with scripts/evaluate.py"),
 ])

@@ -94,7 +94,7 @@ def test_train_tokenizer_refuses_a_folder_holding_anything(tmp_path):
                           "--input: dataset_path", "unsupported file type", unchanged=before)
     assert not (tmp_path / "tok").exists()
     (tmp_path / "corpus.txt").write_text("a few words to learn merges from, a few words again\n" * 20)
-    for size, needle in (("100", "--vocab-size 100 is too small"), ("900", "--vocab-size 900: the training text is "
+    for size, needle in (("100", "--vocab-size 100 is invalid"), ("900", "--vocab-size 900: the training text is "
                                                                         "too small to learn that many merges")):
         assert_one_line_error(train_tokenizer.main, [*tok[:1], size, *tok[2:], "--input", str(tmp_path / "corpus.txt")],
                               needle, unchanged=before)

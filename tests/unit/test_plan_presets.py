@@ -74,8 +74,10 @@ def test_a_planner_failure_is_one_line_with_its_own_exit_code(capsys, monkeypatc
 
 @pytest.mark.parametrize("flag", ["--world_size", "--vocab_size"])
 def test_non_positive_sizes_are_refused_in_one_line(capsys, flag):
-    code, out, err = run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", flag, "-5")
-    assert code == 2 and out == "" and err == f"error: {flag} -5 is invalid; it must be >= 1\n"
+    with pytest.raises(SystemExit) as exit_info:  # while parsing, before the config is read
+        run_plan(capsys, "--config", "train_configs/debug_model.toml", "--device", "H100", flag, "-5")
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and err == f"error: {flag} -5 is invalid; it must be an integer >= 1\n"
 
 
 def test_a_family_registered_from_outside_is_planned_through_the_decoder_interface(capsys):

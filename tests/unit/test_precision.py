@@ -178,3 +178,85 @@ def test_planner_and_trainer_pick_the_same_dtype_for_every_shipped_config(fast_b
         world = cfg.parallelism.data_parallel_replicate_degree * cfg.parallelism.tensor_parallel_degree * \
             cfg.parallelism.pipeline_parallel_degree * cfg.parallelism.context_parallel_degree
         assert plan(cfg, device, world_size=world, efficiency=0.5).compute_dtype == trainer_dtype, (preset, device)
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """``calibrated(tflops)``: this machine's CPU peak, in a cache of the test's own, reads ``tflops``."""
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+
+    def calibrate(tflops: float) -> None:
+        monkeypatch.setattr(peak_flops, "measure_matmul_tflops", lambda dtype, threads: tflops)
+
+    return calibrate
+
+
+def cached_peaks(tmp_path) -> list[float]:
+    return list(json.loads((tmp_path / peak_flops.CACHE_FILE).read_text()).values())
+
+
+@pytest.mark.parametrize("calibrated_tflops", [2.0, 0.02])  # equal to what is achieved, and 100 times lower
+def test_mfu_is_never_above_100_percent_and_a_higher_rate_raises_the_cached_peak(tmp_path, calibrated,
+                                                                                   calibrated_tflops):
+    """Two one-thread trainings side by side on a 2-core CPU logged 98-107% against a peak calibrated under load."""
+    calibrated(calibrated_tflops)
+    peak = peak_flops.Peak(torch.device("cpu"), torch.float32, override=None)
+    assert peak.tflops == calibrated_tflops
+    assert peak.mfu(2.0) == pytest.approx(100.0)
+    assert peak.tflops == 2.0 and cached_peaks(tmp_path) == [2.0]  # raised in the cache (or already there)
+    assert peak.mfu(1.0) == pytest.approx(50.0)  # a slower window is measured against the raised peak
+    calibrated(0.001)  # the next run does not calibrate again: it starts from the raised peak
+    assert peak_flops.Peak(torch.device("cpu"), torch.float32, override=None).tflops == 2.0
+
+
+@pytest.mark.parametrize("override, device", [(0.5, "cpu"), (None, "meta")])
+def test_a_given_peak_is_raised_for_the_run_only_and_no_peak_is_no_mfu(tmp_path, calibrated, override, device):
+    calibrated(1.0)
+    peak = peak_flops.Peak(torch.device(device), torch.float32, override=override)
+    if override is None:
+        assert peak.tflops is None and peak.mfu(3.0) is None
+        return
+    assert peak.mfu(3.0) == pytest.approx(100.0) and peak.tflops == 3.0
+    assert not (tmp_path / peak_flops.CACHE_FILE).exists()  # metrics.peak_tflops is the user's, not the cache's
+
+
+@pytest.mark.parametrize("flops_per_token", [1e9, 1e13])
+def test_the_metrics_row_never_shows_more_than_100_percent(tmp_path, calibrated, flops_per_token):
+    from torchtitan.components.metrics.logger import MetricsLogger
+    from torchtitan.config.job_config import Metrics
+
+    calibrated(1e-6)  # far below what any step achieves
+    metrics = MetricsLogger(Metrics(), str(tmp_path / "dump"), 0, torch.device("cpu"), torch.float32,
+                            flops_per_token=flops_per_token, total_steps=1)
+    metrics.record_step(1, local_tokens=4096, data_seconds=0.0)
+    row = metrics.log(1, loss=1.0, grad_norm=1.0, lr=1e-3)
+    assert row["tflops"] > 1e-6 and row["mfu"] == pytest.approx(100.0)
+    assert cached_peaks(tmp_path) == [pytest.approx(row["tflops"], rel=0.05)]  # the row rounds to 4 decimals
+
+
+def test_the_cpu_peak_is_kept_per_thread_count(tmp_path, monkeypatch):
+    """A process on one of two cores computes faster than half the machine: its peak is its own thread count's."""
+    calls = []
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak_flops, "measure_matmul_tflops",
+                        lambda dtype, threads: calls.append(threads) or 0.8 * threads)
+    monkeypatch.setattr(peak_flops, "usable_cores", lambda: 2)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            assert peak_flops.device_peak_tflops(torch.device("cpu"), torch.bfloat16, None) == pytest.approx(0.8 * n)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1, 2]  # each thread count measured once, then read from the cache
+    assert peak_flops.cpu_machine_peak_tflops(torch.bfloat16) == pytest.approx(1.6)  # the planner's: all cores
+
+
+def test_a_cached_best_is_raised_but_never_lowered(tmp_path, monkeypatch):
+    from torchtitan.cache import kept_highest
+
+    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
+    assert kept_highest("best.json", "k", 1.0) == 1.0
+    assert kept_highest("best.json", "k", 0.5) == 1.0
+    assert kept_highest("best.json", "k", 3.0) == 3.0
+    assert json.loads((tmp_path / "best.json").read_text()) == {"k": 3.0}

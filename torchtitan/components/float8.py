@@ -1,13 +1,51 @@
-"""float8 training of Linear layers through torchao, registered as the model converter "float8"."""
+"""float8 training of Linear layers through torchao, registered as the model converter "float8".
+
+``quantize.linear.float8.emulate = "auto"`` (the default) rounds to float8 but multiplies in high precision where
+the device has no fast float8 matmul, as ``training.mixed_precision_param = "auto"`` picks a dtype the device
+computes fast (distributed/precision.py): on a CPU torch._scaled_mm is a slow reference kernel (a 4 x 128 debug
+step took 164-177 s against 0.10 s in bf16), so a default of real float8 matmuls there would be a trap.
+"""
 
 import dataclasses
 
+import torch
 import torch._inductor.config
 from torch import nn
 
 from torchtitan.distributed.device import device_type
+from torchtitan.hardware import cpu_model
 from torchtitan.log import logger, quiet_torchao_import
 from torchtitan.protocols.model_converter import register_model_converter
+
+# AMD Instinct architectures with float8 matmuls that torchao uses: MI300 (gfx940-942) and MI350 (gfx950).
+ROCM_FLOAT8_ARCHS = ("gfx940", "gfx941", "gfx942", "gfx950")
+
+
+def float8_matmul_is_fast(device: str) -> tuple[bool, str]:
+    """(whether ``device`` ("cpu" or "cuda") has fast float8 matmuls, the device in words), by torchao's own test:
+    NVIDIA GPUs of compute capability 8.9 (Ada) or later, AMD MI300 and MI350; CPUs have none."""
+    if device != "cuda":
+        return False, f"this CPU ({cpu_model()})"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if torch.version.hip:
+        arch = props.gcnArchName.split(":")[0]
+        return arch in ROCM_FLOAT8_ARCHS, f"this GPU ({props.name}, {arch})"
+    capability = f"compute capability {props.major}.{props.minor}"
+    return (props.major, props.minor) >= (8, 9), f"this GPU ({props.name}, {capability})"
+
+
+def resolve_emulate(requested, fast: bool, where: str) -> tuple[bool, str]:
+    """(emulate, why) for ``quantize.linear.float8.emulate = requested`` on a device (``where``, in words) that has
+    fast float8 matmuls or not; ValueError for a value that is none of "auto", true, false (the config loader
+    refuses those already; this guards a config built in code)."""
+    if not (requested is True or requested is False or requested == "auto"):
+        raise ValueError(f"quantize.linear.float8.emulate = {requested!r} is invalid; valid: auto, true, false")
+    if requested != "auto":
+        return requested, "as configured"
+    if fast:
+        return False, f"auto: {where} has fast float8 matmuls"
+    return True, (f"auto: {where} has no fast float8 matmul (torch._scaled_mm would be thousands of times slower); "
+                  "emulate = false uses it anyway")
 
 
 def _import_torchao_float8():
@@ -25,13 +63,20 @@ class Float8Converter:
         self.cfg = job_config.quantize.linear.float8
         self.fsdp = parallel_dims.fsdp_enabled
         float8, self._float8_linear = _import_torchao_float8()
+        fast, where = float8_matmul_is_fast(device_type())
+        emulate, why = resolve_emulate(self.cfg.emulate, fast, where)
+        if not (emulate or fast):
+            logger.warning(f"float8: emulate = false on {where}, which has no fast float8 matmul: torch._scaled_mm "
+                           "will be thousands of times slower than with emulate = auto")
+        else:
+            logger.info(f"float8: emulate = {str(emulate).lower()} ({why})")
         if self.cfg.recipe_name is not None:
             config = float8.Float8LinearConfig.from_recipe_name(self.cfg.recipe_name)
-            self.config = dataclasses.replace(config, emulate=self.cfg.emulate)
+            self.config = dataclasses.replace(config, emulate=emulate)
         else:
             self.config = float8.Float8LinearConfig(
                 enable_fsdp_float8_all_gather=self.cfg.enable_fsdp_float8_all_gather and self.fsdp,
-                emulate=self.cfg.emulate,
+                emulate=emulate,
             )
         if self.cfg.recipe_name == "rowwise" and job_config.compile.enable:
             # Inductor otherwise fuses away the rounding to bf16 between the rowwise scaling ops, so compiled
@@ -39,10 +84,6 @@ class Float8Converter:
             # instead of 5.2 and the loss to inf by step 3. Emulating the casts keeps eager's numerics.
             torch._inductor.config.emulate_precision_casts = True
             logger.info("float8 rowwise with compile: torch._inductor.config.emulate_precision_casts = True")
-        if device_type() == "cpu" and not self.cfg.emulate:
-            logger.warning("float8 on CPU: torch._scaled_mm has no fast CPU kernel (about 10^4 times slower than a "
-                           "bf16 matmul here); set quantize.linear.float8.emulate = true to keep float8 numerics "
-                           "with fast matmuls")
         self.precompute_scales = (
             self.cfg.precompute_float8_dynamic_scale_for_fsdp and self.config.enable_fsdp_float8_all_gather
         )

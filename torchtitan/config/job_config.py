@@ -277,7 +277,10 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = option(False, "Compute float8 scales once per step")
     recipe_name: Literal["tensorwise", "rowwise"] | None = option(None, "float8 scaling recipe")
     filter_fqns: list[str] = option(["output"], "Linear layers (by name) left in high precision")
-    emulate: bool = option(False, "Round to float8 but multiply in high precision (for devices without fast float8 matmuls, e.g. CPU)")
+    emulate: Literal["auto", True, False] = option(
+        "auto", "Round to float8 but multiply in high precision; auto: where the device has no fast float8 matmul "
+        "(CPUs, and CUDA GPUs before compute capability 8.9 other than AMD MI300/MI350), which would run float8 "
+        "matmuls thousands of times slower; false: float8 matmuls (torch._scaled_mm) wherever it runs")
 
 
 @dataclass

@@ -42,6 +42,16 @@ def _is_optional(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
+def takes_bool(tp: Any) -> bool:
+    """Whether a field is set by a bare flag (--a.flag, --a.no_flag): a bool, or a choice among true, false and
+    words (e.g. "auto" | true | false)."""
+    return tp is bool or typing.get_origin(tp) is Literal and any(isinstance(c, bool) for c in typing.get_args(tp))
+
+
+def _choice_name(choice: Any) -> str:
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
 def _strip_optional(tp: Any) -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0]
@@ -52,7 +62,7 @@ def type_name(tp: Any) -> str:
     if _is_optional(tp):
         return f"{type_name(_strip_optional(tp))} or none"
     if typing.get_origin(tp) is Literal:
-        return "one of " + "|".join(str(c) for c in typing.get_args(tp))
+        return "one of " + "|".join(_choice_name(c) for c in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         item = typing.get_args(tp)[0]
         if dataclasses.is_dataclass(item):
@@ -71,7 +81,10 @@ def coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
-        if value not in choices:
+        if from_cli and takes_bool(tp) and str(value).lower() in _TRUE + _FALSE:
+            value = str(value).lower() in _TRUE
+        # By type too: TOML's 1 equals true in Python, but is not the choice true.
+        if not any(type(value) is type(c) and value == c for c in choices):
             raise ValueError
         return value
     if dataclasses.is_dataclass(tp):
@@ -247,14 +260,14 @@ def _apply_cli(cfg: JobConfig, pairs: list[tuple[str, str | bool]], sources: Con
             negated = key[: len(key) - len(leaf)] + leaf[3:] if leaf.startswith("no_") else None
             if negated and value is True:
                 try:
-                    if _resolve(cfg, negated)[2] is bool:
+                    if takes_bool(_resolve(cfg, negated)[2]):
                         _set(cfg, negated, False, source, sources, from_cli=False)
                         continue
                 except KeyError:
                     pass
             _set(cfg, key, value, source, sources, from_cli=True)  # raises the unknown-key error
             continue
-        if value is True and tp is not bool:
+        if value is True and not takes_bool(tp):
             raise ConfigError(f"{source}: missing value; expected {type_name(tp)}")
         _set(cfg, key, value, source, sources, from_cli=value is not True)
 
@@ -313,6 +326,8 @@ def format_help(prog: str = "python -m torchtitan.train") -> str:
             flag = f"--{prefix}{f.name}"
             if tp is bool:
                 flag += f" / --{prefix}no_{f.name}"
+            elif takes_bool(tp):
+                flag += f" ({type_name(tp)}) / --{prefix}{f.name} / --{prefix}no_{f.name}"
             else:
                 flag += f" ({type_name(tp)})"
             lines.append(f"  {flag}")

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from torchtitan.components.checkpointing.storage import CheckpointError
 from torchtitan.hardware import DTYPES
 from torchtitan.log import one_line
-from torchtitan.models.shared.decoder_state_dict_adapter import UnexpectedWeightError
+from torchtitan.models.shared.decoder_state_dict_adapter import RefusedWeightError, UnexpectedWeightError
 
 # Copied from model.hf_assets_path when present, so that AutoTokenizer loads the folder too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -75,6 +75,13 @@ def check_hf_folder(folder: Path, adapter, expected: dict[str, torch.Size]) -> N
     Raises CheckpointError naming the file and the tensor."""
     headers = read_headers(folder)
     model = f"this model ({adapter.family}, {adapter.hf_architecture})"
+    # A format the adapter cannot read at all (quantised weights) comes first: its tensors also lack their
+    # unquantised names, which the checks below would report as missing.
+    if (check_names := getattr(adapter, "check_hf_names", None)) is not None:
+        try:
+            check_names(headers)
+        except RefusedWeightError as e:
+            raise CheckpointError(f"{headers[e.name][0]}: {e}") from None
     # The model's weights under Hugging Face names and layouts: each present one must have its shape.
     try:
         needed = {name: tuple(t.shape) for name, t in adapter.to_hf(

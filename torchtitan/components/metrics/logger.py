@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.components.metrics.backends import JsonlBackend, TensorBoardBackend, WandbBackend
-from torchtitan.components.metrics.peak_flops import device_peak_tflops
+from torchtitan.components.metrics.peak_flops import Peak
 from torchtitan.config.job_config import Metrics as MetricsConfig
 from torchtitan.log import logger
 
@@ -43,7 +43,7 @@ class MetricsLogger:
         self.console_extras = console_extras
         self.device = device
         self.flops_per_token = flops_per_token
-        self.peak_tflops = device_peak_tflops(device, compute_dtype, cfg.peak_tflops)
+        self.peak = Peak(device, compute_dtype, cfg.peak_tflops)
         self.writes = rank == 0 or cfg.save_for_all_ranks
         self.color = not cfg.disable_color_printing and sys.stdout.isatty()
         self.backends: list = []
@@ -82,7 +82,7 @@ class MetricsLogger:
         elapsed = max(now - self.last_time, 1e-9)
         tps = self.tokens_since_log / elapsed
         tflops = tps * self.flops_per_token / 1e12
-        mfu = 100.0 * tflops / self.peak_tflops if self.peak_tflops else None
+        mfu = self.peak.mfu(tflops)
         steps = max(self.steps_since_log, 1)
         row = {
             "step": step,

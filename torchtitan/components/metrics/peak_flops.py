@@ -1,6 +1,14 @@
 """Peak FLOP/s of one device, for MFU: a table for known GPUs, a measured calibration on CPU.
 
 A device we know nothing about gets no peak (MFU is not reported) rather than another device's.
+
+MFU is never above 100%, by construction (``Peak.mfu``): the peak is at least every rate achieved, so when a
+logged window computes faster than the peak, the peak is raised to that rate first (logged once). On a CPU the
+peak is the best matmul throughput known for this machine, dtype and thread count, and a raise is stored in the
+cache too: a calibration made while neighbours loaded the machine only reads low until training shows better.
+The thread count is part of the key, not a share of an all-core peak: a process computing on 1 of 2 cores runs
+faster than half the machine (a single core clocks higher and has the caches and memory to itself), which the
+share scaling took for more than 100% of its peak.
 """
 
 import time
@@ -8,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan.cache import cache_dir, measured_once
+from torchtitan.cache import cache_dir, kept_highest, measured_once
 from torchtitan.hardware import cpu_model, usable_cores
 from torchtitan.log import logger
 
@@ -39,7 +47,7 @@ CALIBRATION_ROUNDS = 3
 # The whole measurement stays within this many seconds: where a dtype is slow (bf16 without native
 # support: ~0.7 GFLOP/s, one 4096^2 matmul ~3 minutes) the large sizes are skipped, not waited for.
 CALIBRATION_BUDGET_SECONDS = 3.0
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4  # 4: measured per thread count (3 scaled an all-core peak by the share of cores)
 CACHE_FILE = "cpu_peak_tflops.json"
 
 
@@ -93,22 +101,35 @@ def measure_matmul_tflops(dtype: torch.dtype, threads: int, budget_seconds: floa
         torch.set_num_threads(previous)
 
 
-def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:
-    """Matmul peak of the whole machine (all cores) in ``dtype``, measured once and cached (concurrent ranks
-    wait for one measurement)."""
-    cores = usable_cores()
-    key = f"v{CALIBRATION_VERSION}|{cpu_model()}|{cores} cores|torch {torch.__version__}|{dtype}"
+def cpu_threads() -> int:
+    """The threads this process computes with (at most the cores it may run on)."""
+    return min(torch.get_num_threads(), usable_cores())
+
+
+def cpu_peak_key(dtype: torch.dtype, threads: int) -> str:
+    machine = f"{cpu_model()}|{usable_cores()} cores"
+    return f"v{CALIBRATION_VERSION}|{machine}|{threads} threads|torch {torch.__version__}|{dtype}"
+
+
+def cpu_peak_tflops(dtype: torch.dtype, threads: int) -> float:
+    """Matmul peak in ``dtype`` with ``threads`` threads on this machine: measured once and cached (concurrent
+    ranks wait for one measurement), or the higher rate a training run achieved since (``Peak.mfu``)."""
 
     def measure() -> float:
-        logger.info(f"measuring this CPU's {str(dtype).removeprefix('torch.')} matmul peak for MFU "
-                    f"(at most {CALIBRATION_BUDGET_SECONDS:.0f} s, once per machine)")
-        return measure_matmul_tflops(dtype, cores)
+        logger.info(f"measuring this CPU's {str(dtype).removeprefix('torch.')} matmul peak on {threads} thread(s) "
+                    f"for MFU (at most {CALIBRATION_BUDGET_SECONDS:.0f} s, once per machine and thread count)")
+        return measure_matmul_tflops(dtype, threads)
 
-    peak, measured = measured_once(CACHE_FILE, key, measure)
+    peak, measured = measured_once(CACHE_FILE, cpu_peak_key(dtype, threads), measure)
     if measured:
-        logger.info(f"measured CPU {dtype} matmul peak: {peak:.3f} TFLOP/s on {cores} cores "
+        logger.info(f"measured CPU {dtype} matmul peak: {peak:.3f} TFLOP/s on {threads} thread(s) "
                     f"(cached in {cache_dir() / CACHE_FILE})")
     return peak
+
+
+def cpu_machine_peak_tflops(dtype: torch.dtype) -> float:
+    """Matmul peak of the whole machine (all cores) in ``dtype`` (the planner's)."""
+    return cpu_peak_tflops(dtype, usable_cores())
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
@@ -124,9 +145,36 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, override: float
                            f"set metrics.peak_tflops to enable it")
         return peak
     if device.type == "cpu":
-        # The machine's peak scaled to the share of cores this process computes with.
-        cores = usable_cores()
-        return cpu_machine_peak_tflops(dtype) * min(torch.get_num_threads(), cores) / cores
+        return cpu_peak_tflops(dtype, cpu_threads())
     logger.warning(f"no peak FLOP/s known for device '{device.type}': MFU is not reported; "
                    f"set metrics.peak_tflops to enable it")
     return None
+
+
+class Peak:
+    """The peak TFLOP/s this process's MFU divides by (``device_peak_tflops``; None: MFU is not reported), never
+    below a rate the process achieved, so MFU <= 100%."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, override: float | None):
+        self.tflops = device_peak_tflops(device, dtype, override)
+        # Only a measured CPU peak is raised in the cache: a data sheet's or metrics.peak_tflops stays as written
+        # for the next run (achieving more than those means the FLOP count overstates the work done).
+        self.cache_key = cpu_peak_key(dtype, cpu_threads()) if override is None and device.type == "cpu" else None
+        self.source = ("metrics.peak_tflops" if override is not None else
+                       "this CPU's measured peak" if device.type == "cpu" else "the data sheet's peak")
+        self.raised = False
+
+    def mfu(self, achieved_tflops: float) -> float | None:
+        """``achieved_tflops`` as a percentage of the peak, after raising the peak to it if it is higher."""
+        if self.tflops is None:
+            return None
+        if achieved_tflops > self.tflops:
+            before = self.tflops
+            self.tflops = (kept_highest(CACHE_FILE, self.cache_key, achieved_tflops) if self.cache_key is not None
+                           else achieved_tflops)
+            if not self.raised:
+                self.raised = True
+                stored = f", also in {cache_dir() / CACHE_FILE}" if self.cache_key is not None else ""
+                logger.info(f"MFU: {achieved_tflops:.4g} TFLOP/s achieved is above {self.source} of {before:.4g}; "
+                            f"the peak is raised to it{stored} (MFU is never above 100%)")
+        return 100.0 * achieved_tflops / self.tflops

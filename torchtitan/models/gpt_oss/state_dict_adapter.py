@@ -7,12 +7,13 @@ experts in MXFP4 (``*_blocks``, ``*_scales``): those are refused, naming the bf1
 """
 
 import re
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
 
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
-from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter, RefusedWeightError
 
 _OURS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w1|w2|w3|b1|b2|b3)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
@@ -46,12 +47,17 @@ class GptOssStateDictAdapter(DecoderStateDictAdapter):
             out[prefix + "down_proj_bias"] = t["b2"]
         return out
 
-    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        quantized = sorted(n for n in state if n.endswith(("_blocks", "_scales")))
+    def check_hf_names(self, names: Iterable[str]) -> None:
+        names = list(names)
+        super().check_hf_names(names)
+        quantized = sorted(n for n in names if n.endswith(("_blocks", "_scales")))
         if quantized:
-            raise ValueError(f"{quantized[0]} is an MXFP4-quantised expert weight, which this trainer does not read; "
-                             "use a bf16 copy of the model (e.g. unsloth/gpt-oss-20b-BF16), or dequantise with "
-                             "transformers (Mxfp4Config(dequantize=True)) and save_pretrained")
+            raise RefusedWeightError(quantized[0], "is an MXFP4-quantised expert weight, which this trainer does not "
+                                     "read; use a bf16 copy of the model (e.g. unsloth/gpt-oss-20b-BF16), or "
+                                     "dequantise with transformers (Mxfp4Config(dequantize=True)) and save_pretrained")
+
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.check_hf_names(state)  # before the experts are taken out of it (the base class checks what is left)
         state, ours = dict(state), {}
         for name in [n for n in state if _HF.match(n)]:
             layer, kind = _HF.match(name).groups()

@@ -11,6 +11,7 @@ transformers 5 still writes although it fuses them in memory. Both directions co
 """
 
 import re
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -48,6 +49,15 @@ class UnexpectedWeightError(KeyError):
 
     def __init__(self, name: str, family: str):
         super().__init__(f"unexpected Hugging Face weight '{name}' for a {family} model")
+        self.name = name
+
+
+class RefusedWeightError(ValueError):
+    """A Hugging Face tensor the family recognises but cannot read (a quantised format): the reason and what to use
+    instead, judged from the names alone (``check_hf_names``)."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"{name} {reason}")
         self.name = name
 
 
@@ -197,7 +207,23 @@ class DecoderStateDictAdapter:
         logger.warning(f"dropped the experts' routing bias from the {self.hf_architecture} export; the largest "
                        f"was {largest[0]:.4g} in {largest[1]}")
 
+    def check_hf_names(self, names: Iterable[str]) -> None:
+        """Refuse, from the tensor names alone, weights this adapter cannot read however the model is sized
+        (RefusedWeightError naming the first such tensor and what to use instead). Loading calls it on the
+        safetensors headers before anything else (hf_folder.check_hf_folder): such a checkpoint lacks the
+        unquantised tensors too, and "missing tensor ... check model.flavor" would send the user the wrong way.
+        A family adds its own formats by extending it."""
+        # Block-quantised FP8 (DeepSeek-V3 and -R1 as released, the *-FP8 Qwen3 models): each float8 weight has a
+        # float32 scale per 128 x 128 block beside it.
+        scales = sorted(name for name in names if name.endswith(".weight_scale_inv"))
+        if scales:
+            raise RefusedWeightError(scales[0], "is the block scale of an FP8-quantised weight, which this trainer "
+                                     "does not read; dequantise the model to bf16 first (transformers: "
+                                     "FineGrainedFP8Config(dequantize=True), then save_pretrained), or use a bf16 "
+                                     "copy of it")
+
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.check_hf_names(state)
         self._refuse_mup()
         out = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
