@@ -75,14 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     state = model.state_dict()
     try:
         if args.lora_adapter:
-            rank, alpha, dropout = adapter_settings(model)
-            count = write_peft_adapter(args.output, state, adapter, rank, alpha, dropout, dtype_name,
+            count = write_peft_adapter(args.output, state, adapter, adapter_settings(model), dtype_name,
                                        base_model=cfg.checkpoint.initial_load_path or "")
             print(f"wrote a PEFT adapter of {count} tensors ({dtype_name}) to {args.output}")
             return 0
         if args.merge_lora:
-            rank, alpha, _ = adapter_settings(model)
-            state = merge_adapters(state, alpha / rank)
+            state = merge_adapters(state, adapter_settings(model))
         count = write_hf_folder(args.output, state, adapter, tokenizer, cfg.model.hf_assets_path, dtype_name)
     except ValueError as e:  # a model the format cannot express (e.g. a trained routing bias)
         print(f"error: {e}", file=sys.stderr)

@@ -2,10 +2,15 @@
 
 A layer keeps its class's own forward for the base (a plain or a float8 Linear) and its ``weight`` under the
 same name, so checkpoints and Hugging Face names of the base are unchanged; the adapter is two child Linears,
-``lora_a`` (r x in) and ``lora_b`` (out x r). B starts at zero, so an adapted model starts as its base.
+``lora_a`` (r x in) and ``lora_b`` (out x r). B starts at zero, so an adapted model starts as its base. Each
+layer has its own r and alpha (an imported PEFT adapter may set them per module: rank_pattern, alpha_pattern).
 """
 
+from typing import NamedTuple
+
 from torch import nn
+
+from torchtitan.models.shared.seeded_init import canonical_name
 
 _ADAPTED_CLASSES: dict[type, type] = {}
 
@@ -16,6 +21,7 @@ class LoRAForward:
     lora_a: nn.Linear
     lora_b: nn.Linear
     lora_dropout: nn.Module
+    lora_alpha: float
     lora_scale: float
 
     def forward(self, x):
@@ -33,6 +39,7 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> N
     linear.lora_b = nn.Linear(rank, linear.out_features, bias=False, **factory)
     # nn.Identity when off: a zero-probability dropout still dispatches a random op (and DTensor's RNG tracking).
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    linear.lora_alpha = alpha  # kept as given: exports write it (alpha / rank * rank need not give it back)
     linear.lora_scale = alpha / rank
 
 
@@ -72,21 +79,29 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_a." in f".{name}" or ".lora_b." in f".{name}"
 
 
-def adapter_settings(model: nn.Module) -> tuple[int, float, float]:
-    """(rank, alpha, dropout) of the model's adapters, which one LoRA converter made alike."""
-    module = next(m for m in model.modules() if is_adapted(m))
-    dropout = module.lora_dropout.p if isinstance(module.lora_dropout, nn.Dropout) else 0.0
-    rank = module.lora_a.out_features
-    return rank, module.lora_scale * rank, dropout
+class AdapterSetting(NamedTuple):
+    rank: int
+    alpha: float
+    dropout: float
 
 
-def merge_adapters(state: dict, scale: float) -> dict:
-    """A full state dict with each adapter folded into its base, W + scale * B @ A (in float32), and the adapters
-    dropped: the plain model's weights (an NF4 base dequantised)."""
+def adapter_settings(model: nn.Module) -> dict[str, AdapterSetting]:
+    """{module name (canonical): its rank, alpha and dropout} of every adapted Linear of ``model``."""
+    return {canonical_name(name): AdapterSetting(
+                m.lora_a.out_features, m.lora_alpha,
+                m.lora_dropout.p if isinstance(m.lora_dropout, nn.Dropout) else 0.0)
+            for name, m in model.named_modules() if is_adapted(m)}
+
+
+def merge_adapters(state: dict, settings: dict[str, AdapterSetting]) -> dict:
+    """A full state dict with each adapter folded into its base, W + (alpha / rank) * B @ A (in float32, each
+    module's (rank, alpha) from ``settings``, as ``adapter_settings`` gives them), and the adapters dropped: the
+    plain model's weights (an NF4 base dequantised)."""
     merged = {name: dequantized(t) for name, t in state.items() if not is_adapter_param(name)}
     for name, a in state.items():
         if name.endswith(".lora_a.weight"):
             module = name.removesuffix(".lora_a.weight")
+            rank, alpha, _ = settings[module]
             b, w = state[f"{module}.lora_b.weight"], dequantized(state[f"{module}.weight"])
-            merged[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            merged[f"{module}.weight"] = (w.float() + (alpha / rank) * (b.float() @ a.float())).to(w.dtype)
     return merged
