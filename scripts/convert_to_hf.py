@@ -24,6 +24,15 @@ from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
 
 
+def _trained_beyond_adapters(cfg, model) -> str | None:
+    """What a LoRA run trains besides its adapters, in words; None if nothing."""
+    if cfg.lora.train_base:
+        return "the base weights too (lora.train_base)"
+    if cfg.moe.bias_update_rate > 0 and any(name.endswith(".moe.expert_bias") for name in model.state_dict()):
+        return "the MoE routing bias too (moe.bias_update_rate > 0)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
@@ -58,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.config} trains LoRA adapters: pass --merge_lora (the whole model) or --lora_adapter (a "
               "PEFT adapter folder)" if adapted else f"error: --merge_lora/--lora_adapter: {args.config} trains no "
               "LoRA adapters (model.converters)", file=sys.stderr)
+        return 2
+    if args.lora_adapter and (trained := _trained_beyond_adapters(cfg, model)):
+        print(f"error: --lora_adapter: {args.config} trains {trained}, which a PEFT adapter folder cannot carry (the "
+              "adapters on the base would be another model); pass --merge_lora for the whole model", file=sys.stderr)
         return 2
     if spec.state_dict_adapter is None:
         print(f"error: model '{cfg.model.name}' has no Hugging Face state-dict adapter", file=sys.stderr)

@@ -16,7 +16,7 @@ from scripts import convert_to_hf
 from tests.integration.test_training import make_trainer
 from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.config import load_config
-from torchtitan.inference import build_model
+from torchtitan.inference import build_model, load_model
 from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.models.shared.lora import adapter_settings, is_adapter_param, merge_adapters
 
@@ -82,6 +82,8 @@ def test_our_adapter_export_loads_in_peft_and_merges_with_our_logits(base, tmp_p
                                "float32"]) == 0
     with torch.no_grad():
         assert (_hf(merged)(tokens).logits - expected).abs().max().item() <= 1e-4
+        # load_model tells the step checkpoint (adapters only) at a URL too.
+        assert (load_model(str(toml), step.as_uri())(tokens) - expected).abs().max().item() <= 1e-5
     # And as a PEFT folder again, from the step checkpoint: the same tensors as the trainer's export.
     adapter = tmp_path / "adapter"
     assert convert_to_hf.main([str(step), str(adapter), "--config", str(toml), "--lora_adapter", "--dtype",
@@ -316,3 +318,24 @@ def test_an_adapter_on_some_blocks_only_is_refused_naming_layers_to_transform(ba
     _peft_adapter(base, tmp_path / "peft", **layers)
     with pytest.raises(ConfigError, match="has no layers.*; set lora.targets .* layers_to_transform, does not import"):
         _imported(tmp_path / "peft")
+
+
+def test_a_run_training_its_base_converts_merged_but_not_as_an_adapter(base, tmp_path, capsys):
+    """lora.train_base: the step checkpoint is a full one; a PEFT folder would drop the trained base."""
+    trainer = make_trainer(tmp_path / "run", *_lora_flags(base, "--lora.train_base", "--training.steps", "1",
+                                                          "--optimizer.lr", "1e-2"))
+    trainer.train()
+    trainer.close()
+    toml = tmp_path / "lora.toml"
+    toml.write_text(f'extends = "{(tmp_path.cwd() / CONFIG).as_posix()}"\n[model]\nconverters = ["lora"]\n'
+                    f'[lora]\nrank = 4\nalpha = 8.0\ntrain_base = true\ntargets = {json.dumps(TARGETS.split(","))}\n'
+                    f'[checkpoint]\ninitial_load_path = "{base}"\ninitial_load_in_hf = true\n')
+    step = str(tmp_path / "run/checkpoint/step-1")
+    assert convert_to_hf.main([step, str(tmp_path / "adapter"), "--config", str(toml), "--lora_adapter"]) == 2
+    assert "trains the base weights too (lora.train_base)" in capsys.readouterr().err
+    assert not (tmp_path / "adapter").exists()
+    assert convert_to_hf.main([step, str(tmp_path / "merged"), "--config", str(toml), "--merge_lora", "--dtype",
+                               "float32"]) == 0
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (_hf(tmp_path / "merged")(tokens).logits - trainer.model_parts[0].eval()(tokens)).abs().max() <= 1e-4
