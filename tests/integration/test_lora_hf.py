@@ -15,9 +15,9 @@ import transformers
 from scripts import convert_to_hf
 from tests.integration.test_training import make_trainer
 from torchtitan.components.checkpointing.hf_folder import write_hf_folder
+from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.config import load_config
 from torchtitan.inference import build_model, load_model
-from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.models.shared.lora import adapter_settings, is_adapter_param, merge_adapters
 
 CONFIG = "train_configs/tiny.toml"
