@@ -339,3 +339,33 @@ def test_a_run_training_its_base_converts_merged_but_not_as_an_adapter(base, tmp
     tokens = _tokens()
     with torch.no_grad():
         assert (_hf(tmp_path / "merged")(tokens).logits - trainer.model_parts[0].eval()(tokens)).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_exports_the_rank_and_alpha_of_every_stage(base, tmp_path):
+    """PP 2: layer 1's adapters live on rank 1 only; rank 0 writes their own rank and alpha into the export."""
+    from tests.conftest import run_command, trainer_command
+
+    _peft_adapter(base, tmp_path / "peft", rank_pattern={"layers.1.self_attn.q_proj": 2},
+                  alpha_pattern={"layers.1.mlp.down_proj": 3})
+    flags = _lora_flags(base, "--lora.adapter_path", str(tmp_path / "peft"), "--training.steps", "1",
+                        "--optimizer.lr", "1e-2", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf",
+                        "--checkpoint.export_dtype", "float32", "--parallelism.pipeline_parallel_degree", "2",
+                        "--training.mixed_precision_param", "float32", "--comm.init_timeout_seconds", "600",
+                        "--comm.train_timeout_seconds", "600")
+    result = run_command([*trainer_command(2), "--job.config_file", CONFIG, *flags, f"--job.dump_folder={tmp_path}"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    export = tmp_path / "checkpoint/export-step-1"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {r"model\.layers\.1\.self_attn\.q_proj": 2}
+    assert config["alpha_pattern"] == {r"model\.layers\.1\.mlp\.down_proj": 3}
+    toml = tmp_path / "lora.toml"
+    toml.write_text(f'extends = "{(tmp_path.cwd() / CONFIG).as_posix()}"\n[model]\nconverters = ["lora"]\n'
+                    f'[lora]\nrank = 4\nalpha = 8.0\ntargets = {json.dumps(TARGETS.split(","))}\n'
+                    f'adapter_path = "{tmp_path / "peft"}"\n'
+                    f'[checkpoint]\ninitial_load_path = "{base}"\ninitial_load_in_hf = true\n')
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = load_model(str(toml), str(tmp_path / "checkpoint/step-1"))(tokens)
+        theirs = peft.PeftModel.from_pretrained(_hf(base), str(export)).eval()
+        assert (theirs(tokens).logits - expected).abs().max().item() <= 1e-4
