@@ -39,13 +39,13 @@ def test_a_moe_lora_step_checkpoint_loads_and_converts_as_the_trained_model(tmp_
     write_hf_folder(base, model.state_dict(), spec.state_dict_adapter(model.args),
                     spec.build_tokenizer_fn(cfg.model.hf_assets_path), cfg.model.hf_assets_path, "float32")
     trainer = make_trainer(tmp_path / "run", "--job.config_file", config, *flags, "--training.seq_len", "32",
-                           "--training.local_batch_size", "2", "--training.steps", "2", "--optimizer.lr", "1e-2",
+                           "--training.local_batch_size", "2", "--training.steps", "1", "--optimizer.lr", "1e-2",
                            "--model.converters", "lora", "--lora.targets", TARGETS, "--checkpoint.enable",
                            "--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf")
     trainer.train()
     trainer.close()
     trained = trainer.model_parts[0].eval()
-    step = tmp_path / "run/checkpoint/step-2"
+    step = tmp_path / "run/checkpoint/step-1"
     saved = verify_checkpoint(str(step)).state_dict_metadata
     assert any(name.endswith(".moe.expert_bias") for name in saved)  # beside the adapters
     rate = float(flags[flags.index("--moe.bias_update_rate") + 1])
