@@ -21,10 +21,19 @@ from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.components.lora.peft_adapter import write_peft_adapter
 from torchtitan.config import ConfigError, load_config
 from torchtitan.hardware import DTYPES
-from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
 from torchtitan.output_folder import OutputError, folder_problem, written_whole
+from torchtitan.script_args import ScriptParser
+
+
+def _trained_beyond_adapters(cfg, model) -> str | None:
+    """What a LoRA run trains besides its adapters, in words; None if nothing."""
+    if cfg.lora.train_base:
+        return "the base weights too (lora.train_base)"
+    if cfg.moe.bias_update_rate > 0 and any(name.endswith(".moe.expert_bias") for name in model.state_dict()):
+        return "the MoE routing bias too (moe.bias_update_rate > 0)"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
               "PEFT adapter folder)" if adapted else f"error: --merge_lora/--lora_adapter: {args.config} trains no "
               "LoRA adapters (model.converters)", file=sys.stderr)
         return 2
+    if args.lora_adapter and (trained := _trained_beyond_adapters(cfg, model)):
+        print(f"error: --lora_adapter: {args.config} trains {trained}, which a PEFT adapter folder cannot carry (the "
+              "adapters on the base would be another model); pass --merge_lora for the whole model", file=sys.stderr)
+        return 2
     if spec.state_dict_adapter is None:
         print(f"error: model '{cfg.model.name}' has no Hugging Face state-dict adapter", file=sys.stderr)
         return 2
@@ -82,13 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with written_whole(args.output) as folder:
             if args.lora_adapter:
-                rank, alpha, dropout = adapter_settings(model)
-                count = write_peft_adapter(folder, state, adapter, rank, alpha, dropout, dtype_name,
+                count = write_peft_adapter(folder, state, adapter, adapter_settings(model), dtype_name,
                                            base_model=cfg.checkpoint.initial_load_path or "")
             else:
                 if args.merge_lora:
-                    rank, alpha, _ = adapter_settings(model)
-                    state = merge_adapters(state, alpha / rank)
+                    state = merge_adapters(state, adapter_settings(model))
                 count = write_hf_folder(folder, state, adapter, tokenizer, cfg.model.hf_assets_path, dtype_name)
     except (ValueError, OutputError) as e:  # ValueError: a model the format cannot express (a trained routing bias)
         print(f"error: {e}", file=sys.stderr)

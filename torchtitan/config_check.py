@@ -195,7 +195,8 @@ def _check_model(c: _Checker) -> None:
     changed = [key for key, default in defaults.items() if c.value(key) != default]
     c.report("", moe_problems(c.cfg.moe, args, c.cfg.parallelism.expert_parallel_degree, c.cfg.checkpoint,
                               hf_has_expert_bias=getattr(adapter, "hf_has_expert_bias", False),
-                              changed_from_defaults=changed))
+                              changed_from_defaults=changed,
+                              lora_frozen_base="lora" in c.cfg.model.converters and not c.cfg.lora.train_base))
     from torchtitan.components.objectives.multi_token_prediction import config_problems as mtp_problems
 
     c.report("", mtp_problems(c.cfg.model, c.cfg.training, c.cfg.checkpoint, args))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchtitan.components.checkpointing.checkpoint import CheckpointError, load_state
-from torchtitan.components.checkpointing.frozen_base import BaseFingerprint
+from torchtitan.components.checkpointing.frozen_base import BaseFingerprint, frozen_names
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder, read_hf_model_state
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.components.checkpointing.storage import verify_checkpoint
@@ -64,33 +64,40 @@ def load_dcp_model(model: nn.Module, location: str | Path, include=lambda name: 
     load_state({"model": state}, str(location), no_dist=True)
 
 
-def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lambda name: True) -> None:
-    """From a DCP or Hugging Face folder, local or at a URL; the kind is told by its files."""
+def _is_hf(location: str) -> bool:
+    """Whether a local folder or URL is a Hugging Face folder (config.json beside the weights), not DCP."""
     if is_url(location):
         fs, path = filesystem(location)
-        if fs.exists(f"{path.rstrip('/')}/config.json"):  # a Hugging Face export uploaded by the trainer
-            with fetched_folder(location, "*.safetensors") as local:
-                load_hf_weights(model, spec, local, include)
-        else:
-            load_dcp_model(model, location, include)
-    elif is_hf_folder(Path(location)):
-        load_hf_weights(model, spec, Path(location), include)
-    else:
+        return fs.exists(f"{path.rstrip('/')}/config.json")  # a Hugging Face export uploaded by the trainer
+    return is_hf_folder(Path(location))
+
+
+def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lambda name: True) -> None:
+    """From a DCP or Hugging Face folder, local or at a URL; the kind is told by its files."""
+    if not _is_hf(location):
         load_dcp_model(model, location, include)
+    elif is_url(location):
+        with fetched_folder(location, "*.safetensors") as local:
+            load_hf_weights(model, spec, local, include)
+    else:
+        load_hf_weights(model, spec, Path(location), include)
 
 
 def load_checkpoint(model: nn.Module, spec: TrainSpec, cfg: JobConfig, checkpoint: str) -> None:
-    """A checkpoint's weights into ``build_model``'s model. A LoRA run's step checkpoints hold its adapters only:
-    the base then comes from the config's checkpoint.initial_load_path (or its seeded initialisation), and is
-    checked against the base fingerprint the checkpoint keeps (components/checkpointing/frozen_base.py)."""
-    adapted = any(is_adapter_param(name) for name, _ in model.named_parameters())
-    if adapted and not is_hf_folder(Path(checkpoint)) and not is_url(checkpoint):
+    """A checkpoint's weights into ``build_model``'s model. A LoRA run's step checkpoints leave its frozen base out
+    (they hold what it trains: the adapters, and buffers such as a MoE's routing bias): the base then comes from
+    the config's checkpoint.initial_load_path (or its seeded initialisation), and is checked against the base
+    fingerprint the checkpoint keeps (components/checkpointing/frozen_base.py)."""
+    frozen = frozen_names([model])
+    if frozen and not _is_hf(checkpoint):
         saved = verify_checkpoint(checkpoint).state_dict_metadata
-        if not any(k.startswith("model.") and not is_adapter_param(k) for k in saved):
+        # Told by the frozen weights themselves: a checkpoint holding none of them is a step checkpoint of such a
+        # run; a full one (an export, a run that trained the base) holds them all.
+        if not any(k.startswith("model.") and k.removeprefix("model.") in frozen for k in saved):
             base = cfg.checkpoint.initial_load_path
             if base:
                 _load_weights(model, spec, base, lambda n: not is_adapter_param(n))
-            load_dcp_model(model, checkpoint, is_adapter_param)
+            load_dcp_model(model, checkpoint, lambda n: n not in frozen)  # what the checkpoint manager saves
             if any(k.startswith("base.") for k in saved):  # a base other than the run's is refused here
                 load_state({"base": BaseFingerprint([model], base or "the seeded initialisation")}, checkpoint,
                            no_dist=True)

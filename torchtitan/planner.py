@@ -33,7 +33,7 @@ from torchtitan.models.shared import amx_attention
 from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.gated_delta_rule import CHUNK
 from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
-from torchtitan.models.shared.lora import nf4_shardable, nf4_weights
+from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 
 GIB = 2**30
@@ -94,7 +94,7 @@ class ModelShape:
     # (components/optimizers/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
     tensors: tuple[tuple[int, str, bool, bool], ...] = ()
     # The shapes of the block weights a QLoRA base stores in NF4 (lora.base_dtype): FSDP shards those whose rows
-    # split into whole scale groups (models/shared/lora.nf4_shardable), the others stay whole on every rank.
+    # split into whole scale groups (models/shared/nf4.nf4_shardable), the others stay whole on every rank.
     nf4_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property

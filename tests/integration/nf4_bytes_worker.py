@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config_check import load_and_validate
 from torchtitan.log import init_logger
-from torchtitan.models.shared.lora import is_nf4, nf4_bytes
+from torchtitan.models.shared.nf4 import is_nf4, nf4_bytes
 from torchtitan.train import Trainer
 
 

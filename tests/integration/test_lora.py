@@ -17,7 +17,8 @@ from tests.integration.test_training import make_trainer
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
 from torchtitan.config_check import validate_config
-from torchtitan.models.shared.lora import is_adapted, is_adapter_param, is_nf4
+from torchtitan.models.shared.lora import is_adapted, is_adapter_param
+from torchtitan.models.shared.nf4 import is_nf4
 
 LORA = ("--model.converters", "lora", "--lora.rank", "4")
 # A high learning rate, so that 6 steps move the adapters (B starts at zero) enough to show in the loss.
@@ -95,7 +96,7 @@ def test_lora_matches_the_single_process(suite_runs, layout):
 @pytest.mark.parametrize("layout", ["qlora_fsdp2", "qlora_fsdp4", "qlora_dcp_fsdp4", "qlora_hf_fsdp2"])
 def test_fsdp_shards_the_nf4_base_as_the_planner_counts(suite_runs, layout):
     """Under FSDP the NF4 base is sharded: each rank holds 0.52 bytes per quantised weight / the FSDP degree, as the
-    planner predicts (models/shared/lora.nf4_shardable decides for both)."""
+    planner predicts (models/shared/nf4.nf4_shardable decides for both)."""
     from torchtitan.config import load_config
     from torchtitan.planner import NF4_BYTES as PER_WEIGHT
     from torchtitan.planner import model_shape

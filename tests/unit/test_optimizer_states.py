@@ -167,7 +167,7 @@ def test_the_planner_counts_an_nf4_base_at_the_bytes_torchao_allocates():
     by torchao's inner tensors (codes and scales)."""
     from torchtitan.components.lora.converter import LoRAConverter
     from torchtitan.config import load_config
-    from torchtitan.models.shared.lora import is_nf4
+    from torchtitan.models.shared.nf4 import is_nf4
     from torchtitan.planner import model_shape, predict_memory, resolve_layout
     from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 

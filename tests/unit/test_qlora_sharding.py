@@ -1,4 +1,4 @@
-"""QLoRA's NF4 base sharded by FSDP (models/shared/lora.py, seeded_init.assign_whole_, distributed/data_parallel.py):
+"""QLoRA's NF4 base sharded by FSDP (models/shared/nf4.py, seeded_init.assign_whole_, distributed/data_parallel.py):
 which weights split into whole scale groups, slices of a whole quantisation that are exact slices of its values, and
 the planner's bytes. The multi-process parity and bytes per rank are in tests/integration/test_lora.py."""
 
@@ -11,7 +11,7 @@ import torch
 from torchtitan.components.lora.converter import to_nf4
 from torchtitan.config import load_config
 from torchtitan.distributed.data_parallel import _nf4_kept_whole
-from torchtitan.models.shared.lora import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_bytes, nf4_shardable, set_nf4_
+from torchtitan.models.shared.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_bytes, nf4_shardable, set_nf4_
 from torchtitan.models.shared.seeded_init import assign_whole_
 from torchtitan.planner import NF4_BYTES, model_shape
 from torchtitan.protocols.model_converter import ModelConverters

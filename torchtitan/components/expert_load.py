@@ -48,10 +48,11 @@ _PROBE_NOISE_FLOOR = 0.10
 
 def config_problems(cfg: MoEConfig, model_args: BaseModelArgs | None, expert_parallel_degree: int,
                     checkpoint: CheckpointConfig, hf_has_expert_bias: bool,
-                    changed_from_defaults: list[str] = ()) -> list[tuple[str, str]]:
+                    changed_from_defaults: list[str] = (), lora_frozen_base: bool = False) -> list[tuple[str, str]]:
     """Problems with the [moe] section and expert parallelism for ``model_args`` (None: unknown), as
     (full key, reason) pairs. ``hf_has_expert_bias``: the family's Hugging Face format has a routing bias;
-    ``changed_from_defaults``: the MoE options changed from their defaults (keys, e.g. "moe.router_dtype")."""
+    ``changed_from_defaults``: the MoE options changed from their defaults (keys, e.g. "moe.router_dtype");
+    ``lora_frozen_base``: a LoRA run that leaves its base frozen (its Hugging Face export is a PEFT adapter)."""
     problems = []
     # Comparisons pass nan (and inf >= 0): a nan coefficient silently acted as 0, a nan rate or inf broke the bias.
     if not (math.isfinite(cfg.bias_update_rate) and cfg.bias_update_rate >= 0):
@@ -74,7 +75,12 @@ def config_problems(cfg: MoEConfig, model_args: BaseModelArgs | None, expert_par
     if moe.num_experts % expert_parallel_degree:
         problems.append(("parallelism.expert_parallel_degree", f"does not divide the model's moe.num_experts = "
                                                                f"{moe.num_experts}"))
-    if checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and not hf_has_expert_bias and \
+    if checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and lora_frozen_base:
+        problems.append(("checkpoint.last_save_in_hf", "would write this LoRA run's adapters as a PEFT adapter "
+                         "folder, which cannot carry the routing bias moe.bias_update_rate > 0 trains (the adapters "
+                         "on the base would route differently); set moe.bias_update_rate = 0 (the base's bias stays), "
+                         "or convert a step checkpoint with scripts/convert_to_hf.py --merge_lora"))
+    elif checkpoint.last_save_in_hf and cfg.bias_update_rate > 0 and not hf_has_expert_bias and \
             not checkpoint.hf_drop_expert_bias:
         problems.append(("checkpoint.last_save_in_hf", "would export a routing bias that moe.bias_update_rate > 0 "
                          "trains, but this model's Hugging Face format has none, so the export would route "

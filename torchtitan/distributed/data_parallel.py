@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.hardware import DTYPES
 from torchtitan.log import logger
-from torchtitan.models.shared.lora import nf4_shardable, nf4_weights, place_nf4_constants
+from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights, place_nf4_constants
 from torchtitan.models.shared.moe import GroupedExperts
 from torchtitan.models.shared.seeded_init import canonical_name
 
@@ -59,7 +59,7 @@ def apply_fsdp(
 
 
 def _nf4_kept_whole(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
-    """A QLoRA base's NF4 weights (models/shared/lora.py), quantised whole, are sharded like any weight where their
+    """A QLoRA base's NF4 weights (models/shared/nf4.py), quantised whole, are sharded like any weight where their
     rows split into whole scale groups over the shard ranks (FSDP cannot pad them); the others stay whole on every
     rank, which is returned (and logged) for FSDP to leave out."""
     ids = {id(p) for p in nf4_weights(model)}

@@ -61,7 +61,7 @@ from torchtitan.components.lora.peft_adapter import write_lora_export
 from torchtitan.config.job_config import Checkpoint as CheckpointConfig
 from torchtitan.hardware import DTYPES
 from torchtitan.log import logger, one_line
-from torchtitan.models.shared.lora import is_adapter_param
+from torchtitan.models.shared.lora import adapter_settings, is_adapter_param
 from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
@@ -416,6 +416,9 @@ class CheckpointManager:
             raise CheckpointError("checkpoint.last_save_in_hf: this model has no Hugging Face adapter or tokenizer")
         # A LoRA run on a frozen base exports its adapters (a PEFT folder): only they are gathered.
         state = self.full_model_state(is_adapter_param if "base" in self.states else lambda name: True)
+        # Each adapter's rank and alpha, from every pipeline stage (they may differ per module).
+        settings = self._on_rank0({k: v for part in self.model_parts for k, v in adapter_settings(part).items()}) \
+            if self.adapted else {}
         name = f"export-step-{step}"
         if self.rank == 0:
             def write_model(folder: Path, state: dict) -> int:
@@ -425,9 +428,8 @@ class CheckpointManager:
             def write(folder: Path) -> int:
                 if not self.adapted:
                     return write_model(folder, state)
-                return write_lora_export(folder, state, self.state_dict_adapter, self.model_parts[0],
-                                         "base" in self.states, self.cfg.export_dtype,
-                                         self.cfg.initial_load_path or "", write_model)
+                return write_lora_export(folder, state, self.state_dict_adapter, settings, "base" in self.states,
+                                         self.cfg.export_dtype, self.cfg.initial_load_path or "", write_model)
 
             try:
                 count = self.storage.write_folder(name, write)
@@ -448,11 +450,7 @@ class CheckpointManager:
         full_state_dict + cpu_offload keeps the values on global rank 0 only, which drops every stage but
         rank 0's.) Those ranks then send their stages to rank 0, one after another.
         """
-        stage_leaders = [0]
-        if self.pp_mesh is not None:
-            pp_ranks = dist.get_process_group_ranks(self.pp_mesh.get_group())
-            stage_leaders = pp_ranks if 0 in pp_ranks else []
-        keep = self.rank in stage_leaders
+        keep = self.rank in self._stage_leaders()
         state = {}
         for part in self.model_parts:
             for name, tensor in get_model_state_dict(part).items():
@@ -462,16 +460,28 @@ class CheckpointManager:
                     tensor = tensor.full_tensor()  # a collective: every rank of the mesh takes part
                 if keep:
                     state[name] = tensor.detach().cpu()
-        if self.pp_mesh is not None and keep:
+        return self._on_rank0(state)
+
+    def _stage_leaders(self) -> list[int]:
+        """The first rank of each pipeline stage (rank 0's pp group); [0] without pipelining."""
+        if self.pp_mesh is None:
+            return [0]
+        pp_ranks = dist.get_process_group_ranks(self.pp_mesh.get_group())
+        return pp_ranks if 0 in pp_ranks else []
+
+    def _on_rank0(self, local: dict) -> dict:
+        """The stage leaders' ``local`` dicts (of their own stages) merged on rank 0; an empty dict elsewhere."""
+        leaders = self._stage_leaders()
+        if self.pp_mesh is not None and self.rank in leaders:
             if self.rank == 0:
-                for src in (r for r in stage_leaders if r != 0):
+                local = dict(local)
+                for src in (r for r in leaders if r != 0):
                     received = [None]
                     dist.recv_object_list(received, src=src, group=self.save_group)
-                    state.update(received[0])
+                    local.update(received[0])
             else:
-                dist.send_object_list([state], dst=0, group=self.save_group)
-                state = {}
-        return state if self.rank == 0 else {}
+                dist.send_object_list([local], dst=0, group=self.save_group)
+        return local if self.rank == 0 else {}
 
     def close(self) -> None:
         self.wait()

@@ -53,19 +53,31 @@ def read_headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in ``folder``, under its Hugging Face name; a tensor holding NaN or
-    inf is refused, naming it (such weights would only show up later as a non-finite loss)."""
+    """Every tensor of every *.safetensors file in ``folder``, under its Hugging Face name (``read_safetensors_file``
+    on each)."""
     state = {}
     for file in _files(folder):
+        state.update(read_safetensors_file(file))
+    return state
+
+
+def read_safetensors_file(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a tensor holding NaN or inf is refused, naming the file and the tensor
+    (such weights would only show up later as a non-finite loss), as is a file that is not complete safetensors."""
+    state = {}
+    try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                state[key] = tensor = f.get_tensor(key)
-                if tensor.is_floating_point():
-                    finite = torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float())
-                    if not finite.all():
-                        raise CheckpointError(f"{file}: tensor {key} holds {int((~finite).sum())} non-finite values "
-                                              f"(NaN or inf) of its {tensor.numel()}; these weights cannot be trained "
-                                              "or run: repair or replace the file")
+                state[key] = f.get_tensor(key)
+    except Exception as e:  # safetensors' own error type is not importable under a stable name
+        raise CheckpointError(f"{file} is not a complete safetensors file ({one_line(e)}); replace it") from None
+    for key, tensor in state.items():
+        if tensor.is_floating_point():
+            finite = torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float())
+            if not finite.all():
+                raise CheckpointError(f"{file}: tensor {key} holds {int((~finite).sum())} non-finite values "
+                                      f"(NaN or inf) of its {tensor.numel()}; these weights cannot be trained "
+                                      "or run: repair or replace the file")
     return state
 
 

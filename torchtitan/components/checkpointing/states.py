@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from torchtitan.components.checkpointing.storage import CheckpointError
-from torchtitan.models.shared.lora import is_nf4
+from torchtitan.models.shared.nf4 import is_nf4
 from torchtitan.models.shared.seeded_init import assign_whole_, canonical_name
 
 

@@ -20,15 +20,8 @@ from torchtitan.components.lora.peft_adapter import read_peft_adapter
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import LoRA as LoRAConfig
 from torchtitan.log import logger, quiet_torchao_import
-from torchtitan.models.shared.lora import (
-    NF4_BLOCK,
-    NF4_SCALER_BLOCK,
-    add_adapter,
-    is_adapted,
-    is_adapter_param,
-    mark_nf4,
-    nf4_weights,
-)
+from torchtitan.models.shared.lora import add_adapter, is_adapted, is_adapter_param
+from torchtitan.models.shared.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK, mark_nf4, nf4_weights
 from torchtitan.models.shared.seeded_init import canonical_name, init_param_
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.protocols.train_spec import get_train_spec
@@ -87,6 +80,8 @@ class LoRAConverter:
         self.cfg: LoRAConfig = job_config.lora
         self.model_name = job_config.model.name
         self._start: dict[str, torch.Tensor] | None = None  # the adapter folder's tensors, read once
+        # (rank, alpha) of each module the adapter folder adapts (its rank_pattern/alpha_pattern may set some apart)
+        self._settings: dict[str, tuple[int, float]] = {}
 
     def _targets(self, model: nn.Module) -> list[tuple[str, nn.Linear]]:
         """The (name, module) pairs the patterns name, refusing patterns that name nothing or what LoRA here
@@ -117,8 +112,8 @@ class LoRAConverter:
         targets = self._targets(model)
         if self.cfg.adapter_path is not None:
             self._start = self._read_adapter(model, targets)
-        for _, module in targets:
-            add_adapter(module, self.cfg.rank, self.cfg.alpha, self.cfg.dropout)
+        for name, module in targets:
+            add_adapter(module, *self._settings.get(name, (self.cfg.rank, self.cfg.alpha)), self.cfg.dropout)
         if self.cfg.base_dtype == "nf4":
             self._mark_nf4(model)
         total = trainable = 0
@@ -127,8 +122,10 @@ class LoRAConverter:
                 param.requires_grad_(self.cfg.train_base)
             total += param.numel()
             trainable += param.numel() if param.requires_grad else 0
-        logger.info(f"lora: adapters of rank {self.cfg.rank} (alpha {self.cfg.alpha:g}) on {len(targets)} Linear "
-                    f"layers; trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%)"
+        apart = sum(setting != (self.cfg.rank, self.cfg.alpha) for setting in self._settings.values())
+        logger.info(f"lora: adapters of rank {self.cfg.rank} (alpha {self.cfg.alpha:g}) on {len(targets)} Linear layers"
+                    + (f" ({apart} with their own, from the adapter's rank_pattern/alpha_pattern)" if apart else "")
+                    + f"; trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%)"
                     + ("" if self.cfg.train_base else "; the base is frozen"))
 
     def _read_adapter(self, model: nn.Module, targets: list[tuple[str, nn.Linear]]) -> dict[str, torch.Tensor]:
@@ -138,18 +135,21 @@ class LoRAConverter:
             raise ConfigError(f"lora.adapter_path: model.name = {self.model_name!r} has no Hugging Face names (its "
                               "TrainSpec has no state_dict_adapter), which PEFT adapters are keyed by")
         try:
-            state = read_peft_adapter(Path(self.cfg.adapter_path), spec.state_dict_adapter(model.args),
-                                      self.cfg.rank, self.cfg.alpha)
+            state, self._settings = read_peft_adapter(
+                Path(self.cfg.adapter_path), spec.state_dict_adapter(model.args), self.cfg.rank, self.cfg.alpha,
+                [name for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))])
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         shapes = {}
         for name, module in targets:
-            shapes[f"{name}.lora_a.weight"] = (self.cfg.rank, module.in_features)
-            shapes[f"{name}.lora_b.weight"] = (module.out_features, self.cfg.rank)
+            rank = self._settings.get(name, (self.cfg.rank,))[0]
+            shapes[f"{name}.lora_a.weight"] = (rank, module.in_features)
+            shapes[f"{name}.lora_b.weight"] = (module.out_features, rank)
         if diff := sorted(shapes.keys() ^ state.keys()):
             where = "has no" if diff[0] in shapes else "adapts a layer lora.targets does not name:"
             raise ConfigError(f"lora.adapter_path {self.cfg.adapter_path} {where} {diff[0]}; set lora.targets to the "
-                              "layers the adapter was trained on")
+                              "layers the adapter was trained on (lora.targets adapts them in every block: an adapter "
+                              "on some blocks only, e.g. PEFT's layers_to_transform, does not import)")
         for name, shape in shapes.items():
             if tuple(state[name].shape) != shape:
                 raise ConfigError(f"lora.adapter_path {self.cfg.adapter_path}: {name} has shape "

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torchtitan.models.shared.lora import is_nf4, set_nf4_
+from torchtitan.models.shared.nf4 import is_nf4, set_nf4_
 
 FillFn = Callable[[torch.Tensor, torch.Generator], None]
 
