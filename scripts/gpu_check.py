@@ -18,7 +18,6 @@ Kept to the standard library: the parts import torch, this process only starts t
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -36,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a file: the parts' module beside it
 
 from scripts.gpu_check_parts import PARTS, Machine, Part, fmt  # noqa: E402
+from torchtitan.script_args import ScriptParser, real  # noqa: E402
 
 WHEELS = REPO / ".gpu" / "whl"
 SITE = Path("/tmp/site")
@@ -321,15 +321,14 @@ def plan_lines(parts: list[Part], machine: Machine | None, budget: float, report
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds for the whole check")
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=real(0, low_open=True, note="seconds"), default=DEFAULT_BUDGET,
+                        help="seconds for the whole check")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="folder of the report")
     parser.add_argument("--logs", type=Path, help="folder for each part's output and files (default: a new "
                         "temporary folder, named in the report)")
     parser.add_argument("--plan", action="store_true", help="print the plan and exit, even on a GPU machine")
     args = parser.parse_args(argv)
-    if not args.budget > 0:
-        parser.error(f"--budget {args.budget:g}: must be a positive number of seconds")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: is a file; give a folder for the report")
     deadline = time.monotonic() + args.budget

@@ -60,7 +60,7 @@ def test_a_short_budget_keeps_the_first_parts():
 def test_a_bad_budget_is_one_line():
     result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--budget", "-5"], cwd=REPO,
                             capture_output=True, text=True)
-    assert result.returncode == 2 and "--budget -5: must be a positive number of seconds" in result.stderr
+    assert result.returncode == 2 and "error: --budget -5 is invalid; it must be a finite number > 0 (seconds)" in result.stderr
 
 
 def test_the_memory_model_gives_back_the_measured_peaks():
