@@ -23,10 +23,10 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from report import append_json, environment  # noqa: E402
+
 from torchtitan.models.shared import gated_deltanet  # noqa: E402
 from torchtitan.models.shared.gated_delta_rule import gated_delta_rule  # noqa: E402
-
-from report import append_json, environment  # noqa: E402
 
 GRADIENTS = ("q", "k", "v", "g", "beta")
 

@@ -33,10 +33,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from report import append_json, figure, median_of  # noqa: E402
+
 from torchtitan.components.expert_load import time_expert_paths  # noqa: E402
 from torchtitan.hardware import cpu_model  # noqa: E402
-
-from report import append_json, figure, median_of  # noqa: E402
 
 # (label, local experts, dim, expert width, routed rows)
 SHAPES = [("debugmodel", 8, 64, 32, 8 * 256 * 2), ("30B-A3B widths, 16 local experts", 16, 2048, 768, 2048 * 8)]

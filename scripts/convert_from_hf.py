@@ -16,9 +16,9 @@ from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.config import ConfigError, load_config
-from torchtitan.script_args import ScriptParser
 from torchtitan.inference import build_model, load_hf_weights
 from torchtitan.output_folder import OutputError, folder_problem, written_whole
+from torchtitan.script_args import ScriptParser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_tasks(args, overrides: list[str], device) -> int:
+    from torchtitan.components.evaluation.lm_eval_model import run_tasks
     from torchtitan.config import load_config
     from torchtitan.distributed import device as device_lib
-    from torchtitan.components.evaluation.lm_eval_model import run_tasks
     from torchtitan.inference import load_model
     from torchtitan.protocols.train_spec import get_train_spec
 

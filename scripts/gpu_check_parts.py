@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 # --- Sizing the throughput rows to the GPU's memory ---------------------------------------------------------------
 
 @dataclass(frozen=True)

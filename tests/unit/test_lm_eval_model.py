@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 from torch import nn
 
-from torchtitan.config import load_config
 from torchtitan.components.evaluation.lm_eval_model import TitanLM
+from torchtitan.config import load_config
 from torchtitan.inference import build_model
 from torchtitan.protocols.train_spec import get_train_spec
 

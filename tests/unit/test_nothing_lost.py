@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 
 from scripts import convert_from_hf, convert_to_hf, download_hf_assets, generate_config, train_tokenizer

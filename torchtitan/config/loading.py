@@ -8,13 +8,13 @@ error and neither layers a TOML file (with ``extends``) under the flags.
 """
 
 import dataclasses
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import tomli_w
-import tomllib
 
 from torchtitan.config.job_config import JobConfig
 

@@ -8,8 +8,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.hardware import DTYPES
 from torchtitan.log import logger
-from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights, place_nf4_constants
 from torchtitan.models.shared.moe import GroupedExperts
+from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights, place_nf4_constants
 from torchtitan.models.shared.seeded_init import canonical_name
 
 
