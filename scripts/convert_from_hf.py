@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder
 from torchtitan.components.checkpointing.states import ModelState
-from torchtitan.config import ConfigError, load_config
+from torchtitan.config import ConfigError
+from torchtitan.config_check import load_model_config
 from torchtitan.inference import build_model, load_hf_weights
 from torchtitan.output_folder import OutputError, folder_problem, written_whole
 from torchtitan.script_args import ScriptParser
@@ -34,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.hf_folder} has no config.json and *.safetensors", file=sys.stderr)
         return 2
     try:
-        cfg, _ = load_config(["--job.config_file", args.config])
+        cfg = load_model_config(args.config)
         model, spec = build_model(cfg)
         load_hf_weights(model, spec, args.hf_folder)
-    except (ConfigError, CheckpointError, KeyError, ValueError) as e:  # ValueError: a model HF cannot express
+    except (ConfigError, CheckpointError, ValueError) as e:  # ValueError: a model HF cannot express
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

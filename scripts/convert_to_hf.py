@@ -19,7 +19,8 @@ from pathlib import Path
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.components.lora.peft_adapter import write_peft_adapter
-from torchtitan.config import ConfigError, load_config
+from torchtitan.config import ConfigError
+from torchtitan.config_check import load_model_config
 from torchtitan.hardware import DTYPES
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.models.shared.lora import adapter_settings, is_adapted, merge_adapters
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: output {args.output} {problem}", file=sys.stderr)
         return 2
     try:
-        cfg, _ = load_config(["--job.config_file", args.config])
+        cfg = load_model_config(args.config)
         include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp
         # Without MTP in the export its blocks are not read either (a checkpoint saved without them converts).
         model, spec = build_model(cfg, mtp=include_mtp)

@@ -67,13 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate_tasks(args, overrides: list[str], device) -> int:
     from torchtitan.components.evaluation.lm_eval_model import run_tasks
-    from torchtitan.config import load_config
+    from torchtitan.config_check import load_model_config
     from torchtitan.distributed import device as device_lib
     from torchtitan.inference import load_model
     from torchtitan.protocols.train_spec import get_train_spec
 
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    cfg, _ = load_config(["--job.config_file", args.config, *overrides])
+    cfg = load_model_config(args.config, overrides)
     if device_lib.launched_distributed():
         device = device_lib.init_distributed(cfg.comm.init_timeout_seconds)
     model = load_model(args.config, args.checkpoint, device=str(device), overrides=overrides)

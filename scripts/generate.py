@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
-from torchtitan.config import ConfigError, load_config
+from torchtitan.config import ConfigError
+from torchtitan.config_check import load_model_config
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
 from torchtitan.device_arg import default_device, parse_device
 from torchtitan.generation import SamplingConfig, generate
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ValueError(f"--checkpoint {args.checkpoint} is not a folder; give a DCP step folder or HF folder")
         device = parse_device(args.device)
-        cfg, _ = load_config(["--job.config_file", args.config])
+        cfg = load_model_config(args.config)
         tokenizer = get_train_spec(cfg.model.name).build_tokenizer_fn(cfg.model.hf_assets_path)
         model = load_model(args.config, args.checkpoint, device=str(device))
     except (ConfigError, CheckpointError, ValueError, RuntimeError) as e:

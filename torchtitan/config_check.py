@@ -62,6 +62,21 @@ def import_custom_modules(cfg: JobConfig, sources: ConfigSources) -> None:
             ) from None
 
 
+def load_model_config(config_file: str, overrides=()) -> JobConfig:
+    """The config a model is built from outside training (load_model, the converters, generate, evaluate): loaded,
+    its experimental.custom_import imported (a custom family or flavor registers there, as for the trainer), and its
+    [model] section and converters checked; ConfigError (one line) otherwise. The training-only sections are not
+    judged (a conversion does not need the run's data)."""
+    cfg, sources = load_config(["--job.config_file", str(config_file), *overrides])
+    import_custom_modules(cfg, sources)
+    c = _Checker(cfg, sources)
+    from torchtitan.protocols.train_spec import model_config_problems
+
+    c.report("", model_config_problems(cfg.model, cfg.training.seq_len, cfg.parallelism)[0])
+    _check_converters(c)
+    return cfg
+
+
 def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> None:
     c = _Checker(cfg, sources)
     _check_training(c)

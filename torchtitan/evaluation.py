@@ -52,7 +52,7 @@ def evaluate(
     from torchtitan.config import load_config
 
     device = torch.device(device)
-    cfg, sources = load_config(["--job.config_file", str(config_file), *overrides])
+    cfg, sources = load_config(["--job.config_file", str(config_file), *overrides])  # load_model checks [model]
     check_validation_shape(cfg, sources)
     set_compute_dtype(cfg.training, device.type)
     model = load_model(config_file, checkpoint, device=str(device), overrides=overrides)

@@ -18,8 +18,8 @@ from torchtitan.components.checkpointing.hf_folder import is_hf_folder, read_hf_
 from torchtitan.components.checkpointing.states import ModelState
 from torchtitan.components.checkpointing.storage import verify_checkpoint
 from torchtitan.components.lora.converter import LoRAConverter
-from torchtitan.config import load_config
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config_check import load_model_config
 from torchtitan.models.shared.lora import is_adapter_param
 from torchtitan.protocols.train_spec import TrainSpec, build_model_args, get_train_spec
 from torchtitan.remote import fetched_folder, filesystem, is_url
@@ -108,7 +108,7 @@ def load_checkpoint(model: nn.Module, spec: TrainSpec, cfg: JobConfig, checkpoin
 def load_model(config_file: str, checkpoint: str | None = None, device: str = "cpu", overrides=()) -> nn.Module:
     """An eval-mode model built from ``config_file`` with weights from ``checkpoint`` (DCP or HF folder); multi-token
     prediction blocks, which inference does not run, are left out (and their weights not read)."""
-    cfg, _ = load_config(["--job.config_file", str(config_file), *overrides])
+    cfg = load_model_config(config_file, overrides)
     model, spec = build_model(cfg, device, mtp=False)
     if checkpoint is not None:
         load_checkpoint(model, spec, cfg, checkpoint)
