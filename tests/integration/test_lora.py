@@ -46,13 +46,14 @@ DEBUG_LAYOUTS = {
 
 def qlora_loaded_layouts(folder) -> dict[str, tuple]:
     """QLoRA on a base loaded whole (never quantised per shard) from a DCP checkpoint and from a Hugging Face folder:
-    the base is a 1-step run of the debug model, which writes both."""
-    base = ["--training.steps", "1", "--training.local_batch_size", "8", "--checkpoint.enable",
+    the base is a 1-step run of the debug model, which writes both. It runs on 2 processes: the matrix's launch of
+    one process runs after the launch of two (other modules' single-process jobs resume two-process checkpoints)."""
+    base = ["--training.steps", "1", "--training.local_batch_size", "4", "--checkpoint.enable",
             "--checkpoint.last_save_in_hf"]
     dcp = ["--checkpoint.enable", "--checkpoint.initial_load_path", f"{folder / 'qlora_base'}/checkpoint/step-1"]
     hf = ["--checkpoint.enable", "--checkpoint.initial_load_path", f"{folder / 'qlora_base'}/checkpoint/export-step-1",
           "--checkpoint.initial_load_in_hf"]
-    return {"qlora_base": (1, base),
+    return {"qlora_base": (2, base),
             "qlora_dcp_single": (1, [*QLORA, *dcp, "--training.local_batch_size", "8"]),
             "qlora_dcp_fsdp4": (4, [*QLORA, *dcp, "--training.local_batch_size", "2"], NF4_BYTES),
             "qlora_hf_fsdp2": (2, [*QLORA, *hf, "--training.local_batch_size", "4"], NF4_BYTES)}
