@@ -44,7 +44,10 @@ class Llama3StateDictAdapter(DecoderStateDictAdapter):
     def _args_from_hf_view(cls, view: dict) -> Llama3ModelArgs:
         scaling = None
         if view["rope_type"] == "llama3":
-            scaling = RopeScaling(*(view[f"rope_parameters.{name}"] for name in (
-                "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+            names = [f"rope_parameters.{name}" for name in ("factor", "low_freq_factor", "high_freq_factor",
+                                                             "original_max_position_embeddings")]
+            if missing := [name for name in names if view[name] is None]:
+                raise KeyError(missing[0])  # transformers requires each of them too
+            scaling = RopeScaling(*(view[name] for name in names))
         return Llama3ModelArgs(**cls._decoder_fields(view), hidden_dim=view["intermediate_size"],
                                rope_scaling=scaling)

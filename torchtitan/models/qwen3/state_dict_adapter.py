@@ -41,8 +41,8 @@ class Qwen3StateDictAdapter(DecoderStateDictAdapter):
     def _hf_view_of_family(cls, view: dict) -> dict:
         # A window applies only with use_sliding_window, to the layers layer_types marks (by default those from
         # max_window_layers on); what is left is the layer types in effect and the window where one slides.
-        window = view.pop("sliding_window") if view.pop("use_sliding_window") else None
-        first = view.pop("max_window_layers")
+        window = view.pop("sliding_window", None) if view.pop("use_sliding_window", False) else None
+        first = view.pop("max_window_layers", 0)
         types = view.get("layer_types") or [SLIDING if window is not None and i >= first else FULL
                                             for i in range(view["num_hidden_layers"])]
         view["layer_types"] = [t if window is not None else FULL for t in types]

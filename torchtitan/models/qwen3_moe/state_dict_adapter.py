@@ -58,7 +58,7 @@ class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
     @classmethod
     def _hf_view_of_family(cls, view: dict) -> dict:
         # One window for every layer, with use_sliding_window (transformers' Qwen3-MoE has no layer types).
-        window = view.pop("sliding_window") if view.pop("use_sliding_window") else None
+        window = view.pop("sliding_window", None) if view.pop("use_sliding_window", False) else None
         view.pop("max_window_layers", None)
         view.pop("layer_types", None)
         return {**view, "sliding_window": window}
