@@ -95,8 +95,8 @@ def test_a_config_json_of_another_model_is_refused_by_load_model_and_convert_fro
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["llama rope_theta, transformers 4 layout", "gpt-oss window left out (transformers' "
-                                                                           "128)"])
+@pytest.mark.parametrize("case", ["llama rope_theta, transformers 4 layout",
+                                  "gpt-oss window left out (transformers' 128)"])
 def test_a_folder_at_a_url_brings_its_config_json_and_is_refused_too(tmp_path, exported, monkeypatch, case):
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
     toml, edit, needles = MISMATCHES[case]
@@ -229,27 +229,27 @@ def test_the_trainer_and_both_converters_take_an_hf_flavor(tmp_path):
 
 # config.json keys a family cannot compute, each refused by name (the built model's config.json is compared back).
 INEXPRESSIBLE = {
-    "llama attention biases": ("llama3", {"attention_bias": True}, "attention_bias: config.json has true, the "
-                                                                   "nearest model has false"),
+    "llama attention biases": ("llama3", {"attention_bias": True}, ("attention_bias: config.json has true, the "
+                                                                    "nearest model has false")),
     "llama head_dim of its own": ("llama3", {"head_dim": 16}, "head_dim: config.json has 16, the nearest model has 12"),
     "llama linear rope scaling": ("llama3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
                                                                  "factor": 2.0}},
                                   'rope_type: config.json has "linear", the nearest model has "default"'),
     "qwen3 sliding window": ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
                                        "layer_types": None},
-                             'layer_types[1]: config.json has "sliding_attention", the nearest model has '
-                             '"full_attention"'),
+                             ('layer_types[1]: config.json has "sliding_attention", the nearest model has '
+                              '"full_attention"')),
     "gpt-oss every layer full": ("gpt_oss", {"layer_types": ["full_attention"] * 4},
-                                 'layer_types[0]: config.json has "full_attention", the nearest model has '
-                                 '"sliding_attention"'),
+                                 ('layer_types[0]: config.json has "full_attention", the nearest model has '
+                                  '"sliding_attention"')),
     "gpt-oss YaRN truncated": ("gpt_oss", {"rope_parameters": {**YARN, "truncate": True}},
                                "rope_parameters.truncate: config.json has true, the nearest model has false"),
     "qwen3-moe sparse every other block": ("qwen3_moe", {"decoder_sparse_step": 2},
                                            "decoder_sparse_step: config.json has 2, the nearest model has 1"),
     "qwen3-next irregular layers": ("qwen3_next", {"layer_types": ["full_attention", "linear_attention",
                                                                    "linear_attention", "full_attention"]},
-                                    'layer_types[0]: config.json has "full_attention", the nearest model has '
-                                    '"linear_attention"'),
+                                    ('layer_types[0]: config.json has "full_attention", the nearest model has '
+                                     '"linear_attention"')),
 }
 
 
