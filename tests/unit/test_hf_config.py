@@ -3,6 +3,7 @@ model.flavor (rope theta, sliding window, rotary share, YaRN ...) is refused by 
 key with both values, and ``model.flavor = "hf:<folder>"`` builds the family's model at the folder's own dimensions,
 which gives transformers' logits."""
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -20,6 +21,7 @@ from torchtitan import train
 from torchtitan.components.checkpointing.storage import CheckpointError
 from torchtitan.config import ConfigError
 from torchtitan.inference import load_model
+from torchtitan.protocols import count_params
 from torchtitan.protocols.train_spec import get_train_spec
 
 LLAMA, GPT_OSS, QWEN3_NEXT = "train_configs/tiny.toml", "train_configs/gpt_oss_debug.toml", \
@@ -27,6 +29,7 @@ LLAMA, GPT_OSS, QWEN3_NEXT = "train_configs/tiny.toml", "train_configs/gpt_oss_d
 TOMLS = {"llama3": LLAMA, "qwen3": "train_configs/qwen3_debug.toml", "qwen3_moe": "train_configs/qwen3_moe_debug.toml",
          "deepseek_v3": "train_configs/deepseek_v3_debug.toml", "qwen3_next": QWEN3_NEXT, "gpt_oss": GPT_OSS}
 SHORT = ["--training.seq_len", "96"]
+RELEASED = Path(__file__).parents[1] / "data" / "hf_configs"
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +280,20 @@ def test_the_config_check_names_a_bad_hf_flavor_in_one_line(tmp_path):
     for flavor, needle in cases.items():
         argv = ["--job.config_file", LLAMA, "--model.flavor", flavor, f"--job.dump_folder={tmp_path / 'dump'}"]
         assert_one_line_error(train.main, argv, f"model.flavor = '{flavor}' ", needle)
+
+
+@pytest.mark.parametrize("file, name, flavor", [
+    ("llama3_8B.json", "llama3", "8B"), ("qwen3_0.6B.json", "qwen3", "0.6B"),
+    ("qwen3_moe_30B-A3B.json", "qwen3_moe", "30B-A3B"), ("deepseek_v3_671B.json", "deepseek_v3", "671B"),
+    ("qwen3_next_80B-A3B.json", "qwen3_next", "80B-A3B"), ("gpt_oss_20b.json", "gpt_oss", "20b")])
+def test_a_released_config_json_describes_its_published_flavor_and_builds_it(file, name, flavor):
+    """Released files (transformers 4's layout, keys of their own, keys left out) are read as the model they are."""
+    config = json.loads((RELEASED / file).read_text())
+    spec = get_train_spec(name)
+    adapter = spec.state_dict_adapter
+    published = dataclasses.replace(spec.flavors[flavor], mtp_depth=0).finalize(1000, 4096)
+    assert adapter(published).hf_config_differences(config) == []
+    built = adapter.args_from_hf_config(config).finalize(1000, 4096)
+    assert adapter(built).hf_config_differences(adapter(published).hf_config(0, 0, "bfloat16")) == []
+    with torch.device("meta"):
+        assert count_params(spec.model_cls(built)) == count_params(spec.model_cls(published))
