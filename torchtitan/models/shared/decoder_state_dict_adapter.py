@@ -182,9 +182,8 @@ class DecoderStateDictAdapter:
         if theirs is not None and theirs != cls.hf_model_type:
             raise ValueError(f"config.json has model_type {theirs!r}, not {cls.hf_model_type!r} ({cls.family}): it "
                              "describes a model of another family (check model.name)")
-        view = cls.hf_view(config)
         try:
-            args = cls._args_from_hf_view(view)
+            args = cls._args_from_hf_view(cls.hf_view(config))
         except KeyError as e:
             raise ValueError(f"config.json has no {e.args[0]}, which a {cls.family} model needs") from None
         except (TypeError, ValueError) as e:
