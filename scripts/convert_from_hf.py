@@ -1,6 +1,13 @@
-"""Convert a Hugging Face Llama folder (config.json + safetensors) to a torchtitan model checkpoint.
+"""Convert a Hugging Face model folder (config.json + safetensors) to a torchtitan model checkpoint.
 
     python scripts/convert_from_hf.py hf_model outputs/seed --config train_configs/llama3_8b.toml
+    python scripts/convert_from_hf.py hf_model outputs/seed --config train_configs/qwen3_debug.toml \
+        --model.flavor hf:hf_model
+
+The config's model.name and model.flavor say which model the weights go into; a config.json that computes
+otherwise than that flavor (another width, rope theta, sliding window, ...) is refused naming each key. With
+``model.flavor = "hf:<folder>"`` the model is built at the folder's own dimensions instead. Other --section.field
+flags are config overrides too.
 
 The output is a DCP folder holding the model weights; start training from it with
 --checkpoint.initial_load_path outputs/seed (or load it with torchtitan.load_model). The output folder must be new
@@ -23,11 +30,13 @@ from torchtitan.script_args import ScriptParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0],
+                          epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("hf_folder", type=Path)
     parser.add_argument("output", type=Path)
-    parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model")
-    args = parser.parse_args(argv)
+    parser.add_argument("--config", required=True, help="a TOML whose model.flavor matches the HF model (or is "
+                                                        "\"hf:<the folder>\": built from its config.json)")
+    args, overrides = parser.parse_known_args(argv)
     if problem := folder_problem(args.output):  # before anything is read: nothing of the user's is touched
         print(f"error: output {args.output} {problem}", file=sys.stderr)
         return 2
@@ -35,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.hf_folder} has no config.json and *.safetensors", file=sys.stderr)
         return 2
     try:
-        cfg = load_model_config(args.config)
+        cfg = load_model_config(args.config, overrides)
         model, spec = build_model(cfg)
         load_hf_weights(model, spec, args.hf_folder)
     except (ConfigError, CheckpointError, ValueError) as e:  # ValueError: a model HF cannot express

@@ -10,6 +10,10 @@ A LoRA run's checkpoint (its base from the config's checkpoint.initial_load_path
 adapter folder, adapter_config.json + adapter_model.safetensors, for peft.PeftModel.from_pretrained on top of
 the base's Hugging Face folder).
 
+A model imported at a Hugging Face checkpoint's own dimensions (``--model.flavor hf:<folder>``; other
+--section.field flags are config overrides too) converts back with the same flavor: config.json is written from the
+model, so it equals the imported one on every key that changes the computation.
+
 The output folder must be new or empty; it is written whole or not at all (torchtitan/output_folder.py).
 """
 
@@ -38,7 +42,8 @@ def _trained_beyond_adapters(cfg, model) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ScriptParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(description=__doc__.splitlines()[0],
+                          epilog="Unrecognised --section.field flags are passed on as config overrides.")
     parser.add_argument("checkpoint", type=Path, help="DCP step folder (e.g. outputs/checkpoint/step-100)")
     parser.add_argument("output", type=Path, help="folder to write the Hugging Face model to")
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
@@ -56,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="a LoRA checkpoint: fold the adapters into the base weights and write the whole model")
     lora.add_argument("--lora_adapter", action="store_true",
                       help="a LoRA checkpoint: write its adapters as a PEFT adapter folder")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
     if problem := folder_problem(args.output):  # before the checkpoint is read: nothing of the user's is touched
         print(f"error: output {args.output} {problem}", file=sys.stderr)
         return 2
     try:
-        cfg = load_model_config(args.config)
+        cfg = load_model_config(args.config, overrides)
         include_mtp = args.include_mtp or cfg.checkpoint.hf_include_mtp
         # Without MTP in the export its blocks are not read either (a checkpoint saved without them converts).
         model, spec = build_model(cfg, mtp=include_mtp)

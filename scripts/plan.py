@@ -28,7 +28,7 @@ from pathlib import Path
 from torchtitan.config import ConfigError, ConfigSources, JobConfig, load_config
 from torchtitan.config_check import import_custom_modules, validate_config
 from torchtitan.planner import DEVICE_MEMORY_GIB, PlanError, format_plan, layout_problem, plan, smallest_world_size
-from torchtitan.protocols.train_spec import TOKENIZER_FILES, get_train_spec
+from torchtitan.protocols.train_spec import TOKENIZER_FILES, flavor_args, get_train_spec
 from torchtitan.script_args import ScriptParser, integer, real
 
 DEVICES = [*DEVICE_MEMORY_GIB, "CPU"]
@@ -47,10 +47,9 @@ def validate(cfg: JobConfig, sources: ConfigSources, world_size: int, vocab_size
     folder = Path(cfg.model.hf_assets_path)
     has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
     try:
-        flavor = get_train_spec(cfg.model.name).flavors.get(cfg.model.flavor)
-        flavor_vocab = flavor.vocab_size if flavor is not None else None
-    except KeyError:
-        flavor_vocab = None  # validate_config names the unknown model
+        flavor_vocab = flavor_args(get_train_spec(cfg.model.name), cfg.model).vocab_size
+    except (KeyError, ConfigError):
+        flavor_vocab = None  # validate_config names the unknown model or flavor
     if not has_tokenizer and (flavor_vocab or vocab_size) and BUNDLED_TOKENIZER.is_dir():
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_assets_path=str(BUNDLED_TOKENIZER)))
     validate_config(cfg, sources, world_size)

@@ -77,7 +77,7 @@ def _load_weights(model: nn.Module, spec: TrainSpec, location: str, include=lamb
     if not _is_hf(location):
         load_dcp_model(model, location, include)
     elif is_url(location):
-        with fetched_folder(location, "*.safetensors") as local:
+        with fetched_folder(location, "config.json", "*.safetensors") as local:
             load_hf_weights(model, spec, local, include)
     else:
         load_hf_weights(model, spec, Path(location), include)

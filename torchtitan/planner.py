@@ -34,7 +34,7 @@ from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.gated_delta_rule import CHUNK
 from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
 from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights
-from torchtitan.protocols.train_spec import build_model_args, get_train_spec
+from torchtitan.protocols.train_spec import build_model_args, flavor_args, get_train_spec
 
 GIB = 2**30
 
@@ -151,7 +151,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     """Widths from the flavor's DecoderArgs (the interface every decoder family implements), parameter
     counts from the model built on the meta device (free even for 405B)."""
     spec = get_train_spec(cfg.model.name)
-    flavor = spec.flavors[cfg.model.flavor]
+    flavor = flavor_args(spec, cfg.model)
     if not isinstance(flavor, DecoderArgs):
         raise PlanError(f"model.name = {cfg.model.name!r}: the planner needs its flavors to be DecoderArgs "
                         f"(torchtitan/models/shared/decoder_args.py), not {type(flavor).__name__}")
@@ -498,7 +498,7 @@ def _time_model(cfg: JobConfig, n_layers: int, vocab_size: int, repeats: int) ->
 
     spec = get_train_spec(cfg.model.name)
     t = cfg.training
-    args = dataclasses.replace(spec.flavors[cfg.model.flavor], n_layers=n_layers).finalize(vocab_size, t.seq_len)
+    args = dataclasses.replace(flavor_args(spec, cfg.model), n_layers=n_layers).finalize(vocab_size, t.seq_len)
     model = spec.model_cls(args)
     model.init_weights(cfg.debug.seed)
     optimizer = build_optimizer([model], cfg.optimizer)

@@ -69,8 +69,8 @@ def _version(info: dict) -> str:
 
 
 @contextmanager
-def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
-    """A local folder holding ``location``'s files that match ``pattern``: the folder itself when it is local,
+def fetched_folder(location: str, *patterns: str) -> Iterator[Path]:
+    """A local folder holding ``location``'s files that match one of ``patterns``: the folder itself when it is local,
     else a copy of the URL's matching top-level files in the cache folder ($TORCHTITAN_CACHE_DIR/fetched/),
     made once per machine: the first process lists and copies under a file lock (the others wait and reuse its
     work) and marks the copy complete last. Weights of a large model are read by every rank of a node; one copy
@@ -84,7 +84,9 @@ def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
         return
     from torchtitan.cache import cache_dir, filled_once
 
-    local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{pattern}".encode()).hexdigest()[:16]
+    pattern = " or ".join(patterns)  # in messages
+    key = "|".join(patterns)
+    local = cache_dir() / "fetched" / hashlib.sha256(f"{location.rstrip('/')}|{key}".encode()).hexdigest()[:16]
     complete = local / ".complete"
     remote = {}
 
@@ -93,7 +95,8 @@ def fetched_folder(location: str, pattern: str) -> Iterator[Path]:
             fs, root = filesystem(location)
             listed = sorted(((info["name"], info) for info in fs.ls(root, detail=True)
                              if info.get("type") != "directory"
-                             and fnmatch.fnmatch(info["name"].rstrip("/").rsplit("/", 1)[-1], pattern)),
+                             and any(fnmatch.fnmatch(info["name"].rstrip("/").rsplit("/", 1)[-1], p)
+                                     for p in patterns)),
                             key=lambda entry: entry[0])
         except Exception as e:
             if complete.is_file():  # written last: the copy is whole

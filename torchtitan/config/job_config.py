@@ -56,7 +56,8 @@ class Mup:
 @dataclass
 class Model:
     name: str = option("llama3", "Registered model (TrainSpec) name")
-    flavor: str = option("debugmodel", "Model size/variant within the family")
+    flavor: str = option("debugmodel", "Model size/variant within the family, or \"hf:<folder>\": the family's "
+                                       "model at the dimensions of the Hugging Face config.json in that folder")
     hf_assets_path: str = option("assets/tokenizer", "Folder holding the tokenizer (and HF config/weights)")
     attention_mask: Literal["auto", "causal", "block_causal"] = option(
         "auto", "causal: attend to every earlier token of the row; block_causal: only to earlier tokens of the "

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchtitan.config import ConfigError
 from torchtitan.config.job_config import Model, Parallelism
 from torchtitan.data import build_dataloader, build_tokenizer
 from torchtitan.protocols.model import BaseModelArgs
@@ -71,11 +72,47 @@ def registered_train_specs() -> list[str]:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+HF_FLAVOR = "hf:"
+"""``model.flavor = "hf:<path>"``: the family's model at the dimensions of a Hugging Face config.json (path: a
+folder holding it, or the file)."""
+
+
+def _flavor(spec: TrainSpec, m: Model) -> tuple[Any, str | None]:
+    """(model.flavor's args, None), or (None, why there are none, phrased to follow "model.flavor = ...")."""
+    if not m.flavor.startswith(HF_FLAVOR):
+        if m.flavor not in spec.flavors:
+            return None, (f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}, or "
+                          f"\"{HF_FLAVOR}<folder holding a Hugging Face config.json>\"")
+        return spec.flavors[m.flavor], None
+    reader = getattr(spec.state_dict_adapter, "args_from_hf_file", None)
+    if reader is None:
+        return None, (f"needs a Hugging Face adapter that reads config.json, which model.name = {m.name!r} has not; "
+                      f"valid: {', '.join(spec.flavors)}")
+    path = Path(m.flavor[len(HF_FLAVOR):]).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        return None, f"names no config.json: {file} does not exist (give a folder holding config.json, or the file)"
+    try:
+        return reader(file), None
+    except ValueError as e:
+        return None, f"cannot be built: {e}"
+
+
+def flavor_args(spec: TrainSpec, m: Model) -> Any:
+    """model.flavor's args, before finalize: the family's named flavor, or for ``hf:<path>`` its adapter's reading
+    of that config.json (``args_from_hf_file``: every key that changes the computation, or a refusal naming each
+    one the family cannot express). ConfigError (one line, naming model.flavor) when neither gives a model."""
+    args, problem = _flavor(spec, m)
+    if problem is not None:
+        raise ConfigError(f"model.flavor = {m.flavor!r} {problem}")
+    return args
+
+
 def build_model_args(spec: TrainSpec, m: Model, tokenizer_vocab_size: int, seq_len: int, mtp: bool = True) -> Any:
-    """The flavor's args for this run: finalized for the tokenizer and sequence length, with ``model.mtp_depth``
-    applied where the family builds multi-token prediction blocks; ``mtp=False`` builds without them
-    (inference, which never runs them)."""
-    args = spec.flavors[m.flavor].finalize(tokenizer_vocab_size, seq_len)
+    """The flavor's args for this run (``flavor_args``): finalized for the tokenizer and sequence length, with
+    ``model.mtp_depth`` applied where the family builds multi-token prediction blocks; ``mtp=False`` builds without
+    them (inference, which never runs them)."""
+    args = flavor_args(spec, m).finalize(tokenizer_vocab_size, seq_len)
     if m.mup.base_width:
         args = args.with_mup(m.mup.base_width, m.mup.base_head_dim)
     if args.builds_mtp_blocks:
@@ -106,9 +143,9 @@ def model_config_problems(m: Model, seq_len: int, p: Parallelism) -> tuple[list[
         spec = get_train_spec(m.name)
     except KeyError as e:
         return [("model.name", f"is unknown: {e.args[0]}")], None, None
-    if m.flavor not in spec.flavors:
-        return [("model.flavor", f"is not a flavor of '{m.name}'; valid: {', '.join(spec.flavors)}")], spec, None
-    flavor = spec.flavors[m.flavor]
+    flavor, problem = _flavor(spec, m)
+    if problem is not None:
+        return [("model.flavor", problem)], spec, None
     if m.mtp_depth is not None and m.mtp_depth < 0:
         return [("model.mtp_depth", "is invalid; it must be >= 0 (0: off) or unset (the flavor's)")], spec, None
     if m.mtp_depth and not flavor.builds_mtp_blocks:

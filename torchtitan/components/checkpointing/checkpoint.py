@@ -258,7 +258,7 @@ class CheckpointManager:
         # is read.
         expected = {name: tensor.shape for name, tensor in self.base_state.state_dict().items()}
         try:
-            with fetched_folder(location, "*.safetensors") as path:
+            with fetched_folder(location, "config.json", "*.safetensors") as path:
                 state = read_hf_model_state(path, self.state_dict_adapter, expected)
         except RemoteError as e:
             raise CheckpointError(f"checkpoint.initial_load_path: {e}") from None

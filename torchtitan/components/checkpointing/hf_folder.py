@@ -18,6 +18,7 @@ from torchtitan.components.checkpointing.storage import CheckpointError
 from torchtitan.hardware import DTYPES
 from torchtitan.log import one_line
 from torchtitan.models.shared.decoder_state_dict_adapter import RefusedWeightError, UnexpectedWeightError
+from torchtitan.models.shared.hf_config import describe, read_config_json
 
 # Copied from model.hf_assets_path when present, so that AutoTokenizer loads the folder too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -81,10 +82,40 @@ def read_safetensors_file(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_hf_config(folder: Path, adapter) -> None:
+    """Refuse a folder whose config.json computes otherwise than the model its weights are loaded into (a sliding
+    window, a rotary share, a YaRN factor, a rope theta of its own ...: weights of the right shapes that would give
+    other logits), naming every key that differs with both values (models/shared/hf_config.py says which keys and
+    how a file leaving one out reads). A folder without config.json, or an adapter without config.json support (a
+    custom family's), is not judged here."""
+    file = Path(folder) / "config.json"
+    differences = getattr(adapter, "hf_config_differences", None)
+    if differences is None or not file.is_file():
+        return
+    try:
+        config = read_config_json(file)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    theirs = config.get("model_type")
+    if theirs is not None and theirs != adapter.hf_model_type:
+        raise CheckpointError(f"{file} has model_type {theirs!r}, but this model ({adapter.family}) reads "
+                              f"{adapter.hf_model_type!r}: the weights are of another model family (check model.name)")
+    try:
+        found = differences(config)
+    except ValueError as e:  # the model has no Hugging Face form at all
+        raise CheckpointError(f"cannot judge {file} against this model: {one_line(e)}") from None
+    if found:
+        raise CheckpointError(f"{file} describes another model than model.flavor's ({adapter.family}): "
+                              f"{describe(found, 'model.flavor has')}; set model.flavor to these weights' size, or "
+                              f"to \"hf:{folder}\" to build the model from this config.json")
+
+
 def check_hf_folder(folder: Path, adapter, expected: dict[str, torch.Size]) -> None:
-    """Check a Hugging Face folder's tensor names and shapes (from the headers, before any tensor is read) against
-    the model's weights ``expected`` (our name -> shape; with pipeline parallelism, the local stages' only).
-    Raises CheckpointError naming the file and the tensor."""
+    """Check a Hugging Face folder against the model: its config.json first (``check_hf_config``), then its tensor
+    names and shapes (from the headers, before any tensor is read) against the model's weights ``expected`` (our
+    name -> shape; with pipeline parallelism, the local stages' only). Raises CheckpointError naming the file and
+    the key or tensor."""
+    check_hf_config(folder, adapter)
     headers = read_headers(folder)
     model = f"this model ({adapter.family}, {adapter.hf_architecture})"
     # A format the adapter cannot read at all (quantised weights) comes first: its tensors also lack their

@@ -9,16 +9,23 @@ Multi-token prediction blocks are model.layers.{n_layers + k}.* as DeepSeek-V3 r
 tensors plus enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding (embed_tokens) and output head
 (shared_head.head), which our blocks share with the main model. transformers does not run them. Exports leave them
 out unless ``include_mtp`` (checkpoint.hf_include_mtp); imports read those the model has and skip the others.
+
+From a config.json (models/shared/hf_config.py): any widths, MLA ranks, expert counts and groups, dense blocks first,
+YaRN; built without multi-token prediction blocks (model.mtp_depth adds them: transformers' own saves write
+num_nextn_predict_layers without the weights, so it is not read); refused: rotary channels in halves
+(rope_interleave false), no shared experts, another RoPE scaling type.
 """
 
+import math
 import re
 from typing import ClassVar
 
 import torch
 
-from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
-
+from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter
+from torchtitan.models.shared.hf_config import Default, derived, heads
+from torchtitan.models.shared.moe import MoEArgs
 
 _OUR_LAYER = re.compile(r"^layers\.(\d+)\.")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -53,7 +60,45 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
         "eh_proj.weight": "eh_proj.weight",
         "norm.weight": "shared_head.norm.weight",
     }
+    # transformers' DeepseekV3Config.
+    hf_defaults: ClassVar[dict[str, Default]] = {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False,
+        "num_key_value_heads": derived("num_key_value_heads", heads, absent=128),
+    }
+    hf_aliases: ClassVar[dict[str, str]] = {"num_local_experts": "n_routed_experts"}
+    hf_ignored: ClassVar[frozenset[str]] = frozenset({"head_dim"})  # transformers sets it to qk_rope_head_dim
     args: DeepseekV3ModelArgs
+
+    @classmethod
+    def _args_from_hf_view(cls, view: dict) -> DeepseekV3ModelArgs:
+        rope = {"rope_factor": 1.0}
+        if view["rope_type"] == "yarn":
+            factor, scale = float(view["rope_parameters.factor"]), float(view["rope_parameters.attention_factor"])
+            all_dim = float(view["rope_parameters.mscale_all_dim"])
+            # The mscale that gives config.json's cos/sin factor with its mscale_all_dim (released: 1 and 1).
+            mscale = (scale * (0.1 * all_dim * math.log(factor) + 1) - 1) / (0.1 * math.log(factor)) \
+                if all_dim and factor > 1 else 1.0
+            mscale = 1.0 if math.isclose(mscale, 1.0) else mscale
+            rope = {"rope_factor": factor, "mscale": mscale, "mscale_all_dim": all_dim,
+                    "original_seq_len": view["rope_parameters.original_max_position_embeddings"],
+                    "beta_fast": float(view["rope_parameters.beta_fast"]),
+                    "beta_slow": float(view["rope_parameters.beta_slow"])}
+        experts = view["moe_intermediate_size"]
+        moe = MoEArgs(num_experts=view["n_routed_experts"], top_k=view["num_experts_per_tok"], hidden_dim=experts,
+                      score_func="sigmoid", route_norm=bool(view["norm_topk_prob"]),
+                      route_scale=float(view["routed_scaling_factor"]), n_groups=view["n_group"] or 1,
+                      topk_group=view["topk_group"] or 1, shared_hidden_dim=view["n_shared_experts"] * experts)
+        fields = {**cls._decoder_fields(view), "n_kv_heads": None}  # MLA: as many key/value heads as query heads
+        return DeepseekV3ModelArgs(
+            **fields, inter_dim=view["intermediate_size"], q_lora_rank=view["q_lora_rank"] or 0,
+            kv_lora_rank=view["kv_lora_rank"], qk_nope_head_dim=view["qk_nope_head_dim"],
+            qk_rope_head_dim=view["qk_rope_head_dim"], v_head_dim=view["v_head_dim"],
+            n_dense_layers=view["first_k_dense_replace"], moe=moe, mtp_depth=0, **rope)
 
     def __init__(self, args: DeepseekV3ModelArgs):
         super().__init__(args)

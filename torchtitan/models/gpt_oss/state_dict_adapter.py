@@ -4,8 +4,13 @@ Attention maps by name (biases and sinks too); the router is ``mlp.router`` (wit
 stacked in both: transformers' gate_up_proj (E, dim, 2 * hidden) interleaves gate and linear columns (gate at even
 columns), its bias likewise; down_proj (E, hidden, dim) is ours as it is. The released checkpoints store the
 experts in MXFP4 (``*_blocks``, ``*_scales``): those are refused, naming the bf16 copies to use instead.
+
+From a config.json (models/shared/hf_config.py): any widths, expert counts, window, clamp, rope theta and YaRN;
+refused: layer_types other than sliding and full alternating (sliding first), YaRN with truncate, another RoPE
+scaling type.
 """
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import ClassVar
@@ -14,6 +19,7 @@ import torch
 
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
 from torchtitan.models.shared.decoder_state_dict_adapter import DecoderStateDictAdapter, RefusedWeightError
+from torchtitan.models.shared.hf_config import Default, derived, head_dim, heads
 
 _OURS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w1|w2|w3|b1|b2|b3)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
@@ -30,7 +36,38 @@ class GptOssStateDictAdapter(DecoderStateDictAdapter):
         "moe.router.gate.weight": "mlp.router.weight",
         "moe.router.gate.bias": "mlp.router.bias",
     }
+    # transformers' GptOssConfig: YaRN by default, and sliding and full layers alternating.
+    hf_defaults: ClassVar[dict[str, Default]] = {
+        "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_attention_heads": 64, "sliding_window": 128, "tie_word_embeddings": False,
+        "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+        "num_key_value_heads": derived("num_key_value_heads", heads, absent=8),
+        "head_dim": derived("head_dim", head_dim, absent=64),
+        "layer_types": lambda c: ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(c["num_hidden_layers"])],
+    }
+    hf_aliases: ClassVar[dict[str, str]] = {"num_experts": "num_local_experts"}
+    hf_default_theta: ClassVar[float] = 150_000.0
+    hf_default_rope: ClassVar[dict | None] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                              "beta_slow": 1.0, "truncate": False,
+                                              "original_max_position_embeddings": 4096}
     args: GptOssModelArgs
+
+    @classmethod
+    def _args_from_hf_view(cls, view: dict) -> GptOssModelArgs:
+        rope = {"rope_factor": 1.0}
+        if view["rope_type"] == "yarn":
+            rope = {"rope_factor": float(view["rope_parameters.factor"]),
+                    "original_seq_len": view["rope_parameters.original_max_position_embeddings"],
+                    "beta_fast": float(view["rope_parameters.beta_fast"]),
+                    "beta_slow": float(view["rope_parameters.beta_slow"])}
+        # The published MoE (biases, clamped SwiGLU, renormalised softmax top-k) at config.json's sizes.
+        moe = dataclasses.replace(GptOssModelArgs().moe, num_experts=view["num_local_experts"],
+                                  top_k=view["num_experts_per_tok"], hidden_dim=view["intermediate_size"],
+                                  swiglu_limit=float(view["swiglu_limit"]), swiglu_alpha=float(view["swiglu_alpha"]))
+        return GptOssModelArgs(**cls._decoder_fields(view), head_dim=view["head_dim"],
+                               sliding_window=view["sliding_window"] or 0, moe=moe, **rope)
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state, experts = dict(state), {}

@@ -46,9 +46,14 @@ class Llama3ModelArgs(DecoderArgs):
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
     rope_scaling: RopeScaling | None = None
+    hidden_dim: int = 0
+    """Width of the SwiGLU feed-forward stated outright (HF: intermediate_size; a checkpoint imported at its own
+    dimensions); 0: Llama's rule from dim, ffn_dim_multiplier and multiple_of."""
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.hidden_dim:
+            return self.hidden_dim
         hidden = 8 * self.dim // 3
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

@@ -4,6 +4,10 @@ Gated attention and the MoE map by name. A Gated DeltaNet layer's projections ar
 keeps per key head [q, k, values, z] in one in_proj_qkvz and [beta, decay] rows in in_proj_ba, and orders the
 conv's channels [all q | all k | all v], where ours are grouped per key head (so that tensor parallelism cuts whole
 heads); these tensors are regrouped, exactly, both ways.
+
+From a config.json (models/shared/hf_config.py): any widths, rotary share, linear-attention sizes and expert counts,
+dense blocks first (mlp_only_layers 0..k-1); layer_types must be linear blocks with every k-th full; refused: other
+layer patterns, dense blocks elsewhere, no shared expert, attention biases, another activation, RoPE scaling.
 """
 
 import re
@@ -13,8 +17,10 @@ import torch
 
 from torchtitan.log import logger
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-from torchtitan.models.qwen3_next.args import LINEAR, Qwen3NextModelArgs
+from torchtitan.models.qwen3_next.args import FULL, LINEAR, Qwen3NextModelArgs
 from torchtitan.models.shared.decoder_state_dict_adapter import UnexpectedWeightError
+from torchtitan.models.shared.hf_config import Default
+from torchtitan.models.shared.moe import MoEArgs
 
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -38,7 +44,42 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
         "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
     }
+    # transformers' Qwen3NextConfig: layer_types, when not given, from full_attention_interval (default 4).
+    hf_defaults: ClassVar[dict[str, Default]] = {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "head_dim": 256,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts_per_tok": 10,
+        "num_experts": 512, "norm_topk_prob": True, "mlp_only_layers": [], "partial_rotary_factor": 0.25,
+        "layer_types": lambda c: _layer_types(c.get("full_attention_interval", 4), c["num_hidden_layers"]),
+    }
+    # Qwen3's sliding-window keys (which hf_config writes, inherited) mean nothing to Qwen3-Next; the interval is
+    # read through layer_types.
+    hf_ignored: ClassVar[frozenset[str]] = frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
+                                                      "full_attention_interval"})
     args: Qwen3NextModelArgs
+
+    @classmethod
+    def _hf_view_of_family(cls, view: dict) -> dict:
+        return view
+
+    @classmethod
+    def _args_from_hf_view(cls, view: dict) -> Qwen3NextModelArgs:
+        types, n = view["layer_types"], view["num_hidden_layers"]
+        # The interval whose pattern layer_types is (n + 1: all linear); none such is refused when compared.
+        interval = next((k for k in range(1, n + 2) if _layer_types(k, n) == types), 4)
+        moe = MoEArgs(num_experts=view["num_experts"], top_k=view["num_experts_per_tok"],
+                      hidden_dim=view["moe_intermediate_size"], score_func="softmax",
+                      route_norm=bool(view["norm_topk_prob"]),
+                      shared_hidden_dim=view["shared_expert_intermediate_size"], shared_gate=True)
+        return Qwen3NextModelArgs(
+            **cls._decoder_fields(view), head_dim=view["head_dim"], hidden_dim=view["intermediate_size"],
+            partial_rotary_factor=float(view["partial_rotary_factor"]), full_attention_interval=interval,
+            linear_n_key_heads=view["linear_num_key_heads"], linear_n_value_heads=view["linear_num_value_heads"],
+            linear_key_head_dim=view["linear_key_head_dim"], linear_value_head_dim=view["linear_value_head_dim"],
+            linear_conv_kernel=view["linear_conv_kernel_dim"], moe=moe, n_dense_layers=len(view["mlp_only_layers"]))
 
     def _is_linear(self, layer: str) -> bool:
         return self.args.layer_type(int(layer)) == LINEAR
@@ -140,3 +181,8 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
             "output_router_logits": False,
             "router_aux_loss_coef": 0.0,
         }
+
+
+def _layer_types(interval: int, n_layers: int) -> list[str]:
+    """Linear blocks with every ``interval``-th full attention (transformers' and our default layout)."""
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]

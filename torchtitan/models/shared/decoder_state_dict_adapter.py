@@ -12,11 +12,12 @@ transformers 5 still writes although it fuses them in memory. Both directions co
 
 import re
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from torchtitan.log import logger
+from torchtitan.models.shared.hf_config import Default, describe, differences, hf_view, read_config_json
 
 # Our name within layers.N -> the Hugging Face name within model.layers.N.
 DECODER_LAYER_NAMES = {
@@ -84,6 +85,14 @@ class DecoderStateDictAdapter:
     hf_model_type: ClassVar[str] = ""
     extra_layer_names: ClassVar[dict[str, str]] = {}
     hf_has_expert_bias: ClassVar[bool] = False
+    # How transformers reads the family's config.json (models/shared/hf_config.py): its default for each key a
+    # file may leave out, other names it accepts for a key (-> the name hf_config writes), the rope theta and
+    # parameters it assumes when none are given, and keys of ours it does not compute with.
+    hf_defaults: ClassVar[dict[str, Default]] = {}
+    hf_aliases: ClassVar[dict[str, str]] = {}
+    hf_default_theta: ClassVar[float] = 10000.0
+    hf_default_rope: ClassVar[dict | None] = None
+    hf_ignored: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, args):
         self.args = args
@@ -140,6 +149,64 @@ class DecoderStateDictAdapter:
     def extra_hf_config(self) -> dict:
         """The family's own config.json keys."""
         return {}
+
+    @classmethod
+    def hf_view(cls, config: dict) -> dict:
+        """A config.json (as a dict) on the keys that change the computation, read as transformers reads it."""
+        view = hf_view(config, cls.hf_defaults, cls.hf_aliases, cls.hf_default_theta, cls.hf_default_rope)
+        return cls._hf_view_of_family({k: v for k, v in view.items() if k not in cls.hf_ignored})
+
+    @classmethod
+    def _hf_view_of_family(cls, view: dict) -> dict:
+        """The family's own reading of keys that act together (sliding windows, layer types)."""
+        return view
+
+    def hf_config_differences(self, config: dict) -> list[tuple[str, Any, Any]]:
+        """(key, config.json's value, this model's) for each key where ``config`` computes otherwise than the
+        config.json this model writes (hf_config); ValueError where the model has no config.json form at all."""
+        return differences(self.hf_view(config), self.hf_view(self.hf_config(0, 0, "float32")))
+
+    @classmethod
+    def args_from_hf_file(cls, file) -> Any:
+        """``args_from_hf_config`` of the config.json at ``file``; ValueError naming the file."""
+        try:
+            return cls.args_from_hf_config(read_config_json(file))
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
+
+    @classmethod
+    def args_from_hf_config(cls, config: dict):
+        """The family's args for a model of config.json's dimensions, or ValueError (one line) naming each key the
+        family cannot express (the args are checked by writing their config.json back and comparing)."""
+        theirs = config.get("model_type")
+        if theirs is not None and theirs != cls.hf_model_type:
+            raise ValueError(f"config.json has model_type {theirs!r}, not {cls.hf_model_type!r} ({cls.family}): it "
+                             "describes a model of another family (check model.name)")
+        try:
+            args = cls._args_from_hf_view(cls.hf_view(config))
+        except KeyError as e:
+            raise ValueError(f"config.json has no {e.args[0]}, which a {cls.family} model needs") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config.json cannot be read as a {cls.family} model ({type(e).__name__}: {e})") from None
+        if bad := args.check():
+            raise ValueError(f"config.json gives a {cls.family} model with an invalid {bad[0][0]}: {bad[0][1]}")
+        if found := cls(args).hf_config_differences(config):
+            raise ValueError(f"config.json describes what a {cls.family} model cannot compute: "
+                             f"{describe(found, 'the nearest model has')}")
+        return args
+
+    @classmethod
+    def _args_from_hf_view(cls, view: dict):
+        """The family's args from ``hf_view(config)``; the family's adapter defines it."""
+        raise ValueError(f"the {cls.family} adapter cannot build a model from config.json")
+
+    @staticmethod
+    def _decoder_fields(view: dict) -> dict:
+        """The DecoderArgs fields every family reads the same way."""
+        return {"dim": view["hidden_size"], "n_layers": view["num_hidden_layers"],
+                "n_heads": view["num_attention_heads"], "n_kv_heads": view["num_key_value_heads"],
+                "norm_eps": float(view["rms_norm_eps"]), "rope_theta": float(view["rope_theta"]),
+                "vocab_size": view["vocab_size"], "tie_embeddings": bool(view["tie_word_embeddings"])}
 
     @staticmethod
     def _from_fused_experts(layer: str, hf: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
