@@ -54,8 +54,9 @@ def test_a_moe_lora_step_checkpoint_loads_and_converts_as_the_trained_model(tmp_
 
     toml = tmp_path / "lora.toml"
     overrides = dict(zip(flags[::2], flags[1::2]))
-    toml.write_text(f'extends = "{(tmp_path.cwd() / config).as_posix()}"\n[model]\nconverters = ["lora"]\n'
-                    f'mtp_depth = {overrides.get("--model.mtp_depth", 1)}\n[lora]\ntargets = {json.dumps([TARGETS])}\n'
+    mtp = f'mtp_depth = {overrides["--model.mtp_depth"]}\n' if "--model.mtp_depth" in overrides else ""
+    toml.write_text(f'extends = "{(tmp_path.cwd() / config).as_posix()}"\n[model]\nconverters = ["lora"]\n{mtp}'
+                    f'[lora]\ntargets = {json.dumps([TARGETS])}\n'
                     f'[moe]\nbias_update_rate = {rate}\n'
                     f'[checkpoint]\ninitial_load_path = "{base}"\ninitial_load_in_hf = true\n')
     loaded = load_model(str(toml), str(step))
