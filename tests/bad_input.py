@@ -56,3 +56,48 @@ def assert_one_line_error(main: Callable[[list[str]], int], argv: list[str], *ne
     if unchanged is not None:
         assert_unchanged(unchanged)
     return errors[-1]
+
+
+def calls_of_two_arriving_together(monkeypatch, cls: type, method: str, fetch: Callable[[], object]) -> tuple[
+        list[str], dict[str, object]]:
+    """Run ``fetch`` in two threads standing for two processes of a node (each file lock they take is their own):
+    the second asks for the cache lock while the first, holding it, is inside ``cls.method``. Returns the threads
+    that called ``cls.method``, in order, and what ``fetch`` returned in each thread ("first", "second")."""
+    import fcntl
+    import threading
+
+    from torchtitan import cache
+
+    calls, first_inside, second_waits = [], threading.Event(), threading.Event()
+    real_method, real_flock = getattr(cls, method), fcntl.flock
+
+    def counted(self, *args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if threading.current_thread().name == "first":  # holds the lock until the second is waiting for it
+            first_inside.set()
+            assert second_waits.wait(30)
+        return real_method(self, *args, **kwargs)
+
+    def flock(file, operation):
+        try:
+            return real_flock(file, operation)
+        except BlockingIOError:
+            if threading.current_thread().name == "second":
+                second_waits.set()
+            raise
+
+    monkeypatch.setattr(cls, method, counted)
+    monkeypatch.setattr(cache.fcntl, "flock", flock)
+    results = {}
+
+    def run():
+        results[threading.current_thread().name] = fetch()
+
+    first = threading.Thread(target=run, name="first")
+    first.start()
+    assert first_inside.wait(30)
+    second = threading.Thread(target=run, name="second")
+    second.start()
+    first.join(30)
+    second.join(30)
+    return calls, results

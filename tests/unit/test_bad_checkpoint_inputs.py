@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from scripts import convert_from_hf, convert_to_hf
-from tests.bad_input import assert_one_line_error, snapshot
+from tests.bad_input import assert_one_line_error, calls_of_two_arriving_together, snapshot
 from tests.unit.test_checkpoint_storage import FakeLoader
 from torchtitan import train
 from torchtitan.components.checkpointing.checkpoint import CheckpointManager
@@ -244,12 +244,8 @@ def test_weights_fetched_once_are_reused_with_a_warning_when_the_url_cannot_be_l
 def test_processes_arriving_together_list_the_url_once(tmp_path, monkeypatch):
     """A process that waited for the cache lock while another checked the copy reuses that check: the ranks of a
     node list the remote once, not once each."""
-    import fcntl
-    import threading
-
     import fsspec
 
-    from torchtitan import cache
     from torchtitan.remote import fetched_folder
 
     monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path / "cache"))
@@ -259,39 +255,12 @@ def test_processes_arriving_together_list_the_url_once(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/remote"
     with fetched_folder(url, "*.safetensors"):
         pass
-    listings, first_lists, second_waits = [], threading.Event(), threading.Event()
-    real_ls, real_flock = type(fs).ls, fcntl.flock
-
-    def ls(self, path, *args, **kwargs):
-        listings.append(threading.current_thread().name)
-        if threading.current_thread().name == "first":  # holds the lock until the second is waiting for it
-            first_lists.set()
-            assert second_waits.wait(30)
-        return real_ls(self, path, *args, **kwargs)
-
-    def flock(file, operation):
-        try:
-            return real_flock(file, operation)
-        except BlockingIOError:
-            if threading.current_thread().name == "second":
-                second_waits.set()
-            raise
-
-    monkeypatch.setattr(type(fs), "ls", ls)
-    monkeypatch.setattr(cache.fcntl, "flock", flock)
-    results = {}
 
     def fetch():
         with fetched_folder(url, "*.safetensors") as local:
-            results[threading.current_thread().name] = (local / "model.safetensors").read_bytes()
+            return (local / "model.safetensors").read_bytes()
 
-    first = threading.Thread(target=fetch, name="first")
-    first.start()
-    assert first_lists.wait(30)
-    second = threading.Thread(target=fetch, name="second")
-    second.start()
-    first.join(30)
-    second.join(30)
+    listings, results = calls_of_two_arriving_together(monkeypatch, type(fs), "ls", fetch)
     assert results == {"first": b"weights", "second": b"weights"} and listings == ["first"]
 
 

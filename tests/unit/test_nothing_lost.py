@@ -4,14 +4,19 @@ prunes the newer checkpoints unless told to discard them; token shards at a URL 
 reused offline. Every file that existed before a run is byte-identical after it, refused or completed."""
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
 from scripts import convert_from_hf, convert_to_hf, download_hf_assets, generate_config, train_tokenizer
-from tests.bad_input import assert_one_line_error, assert_unchanged, run_entry_point, snapshot
+from tests.bad_input import (
+    assert_one_line_error,
+    assert_unchanged,
+    calls_of_two_arriving_together,
+    run_entry_point,
+    snapshot,
+)
 from tests.unit.test_bad_checkpoint_inputs import TINY, hf_folder, trainer_args
 from torchtitan import train
 from torchtitan.components.checkpointing.states import ModelState
@@ -187,12 +192,9 @@ def test_resuming_from_an_earlier_step_never_touches_the_newer_checkpoints_unles
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_shards_at_a_url_are_reused_offline_and_their_manifest_read_once_by_processes_arriving_together(
         tmp_path, monkeypatch, caplog, scheme):
-    import fcntl
-
     import fsspec
 
     from tests.unit.test_data_remote import upload
-    from torchtitan import cache
     from torchtitan.data.errors import DataError
     from torchtitan.data.shards import MANIFEST, TokenShards, write_shards
     from torchtitan.data.tokenizer import build_tokenizer
@@ -206,38 +208,8 @@ def test_shards_at_a_url_are_reused_offline_and_their_manifest_read_once_by_proc
     url = local.as_uri() if scheme == "file" else f"memory://{tmp_path.name}/shards"
     if scheme == "memory":
         upload(fs, local, url)
-    reads, first_reads, second_waits = [], threading.Event(), threading.Event()
-    real_cat, real_flock = type(fs).cat_file, fcntl.flock
-
-    def cat_file(self, path, *args, **kwargs):
-        reads.append(threading.current_thread().name)
-        if threading.current_thread().name == "first":  # holds the lock until the second waits for it
-            first_reads.set()
-            assert second_waits.wait(30)
-        return real_cat(self, path, *args, **kwargs)
-
-    def flock(file, operation):
-        try:
-            return real_flock(file, operation)
-        except BlockingIOError:
-            if threading.current_thread().name == "second":
-                second_waits.set()
-            raise
-
-    monkeypatch.setattr(type(fs), "cat_file", cat_file)
-    monkeypatch.setattr(cache.fcntl, "flock", flock)
-    lengths = {}
-
-    def open_shards():
-        lengths[threading.current_thread().name] = len(TokenShards(url, tokenizer))
-
-    first = threading.Thread(target=open_shards, name="first")
-    first.start()
-    assert first_reads.wait(30)
-    second = threading.Thread(target=open_shards, name="second")
-    second.start()
-    first.join(30)
-    second.join(30)
+    reads, lengths = calls_of_two_arriving_together(monkeypatch, type(fs), "cat_file",
+                                                    lambda: len(TokenShards(url, tokenizer)))
     assert lengths == {"first": 20, "second": 20} and reads == ["first"]
     # Offline (the remote gone): the complete copy serves, with a warning; without one it is an error.
     if scheme == "file":
