@@ -53,34 +53,42 @@ class ExistingFileError(Exception):
     """A file of the repository is already in the folder and was not put there by an earlier download."""
 
 
-def foreign_files(local_dir: pathlib.Path, names: list[str]) -> list[str]:
-    """Which of the repository files ``names`` are in ``local_dir`` but not as an earlier download left them."""
+def foreign_files(local_dir: pathlib.Path, names: list[str], commit: str) -> list[str]:
+    """Which of the repository files ``names`` (at ``commit``) are in ``local_dir`` but were not left there, as
+    they are, by an earlier download of that commit: a user's file, an edited one, or another repository's or
+    revision's (the hub records only the commit a file came from)."""
     present = [name for name in names if (local_dir / name).exists()]
     if not present:
         return []
     if not (local_dir / ".cache" / "huggingface").is_dir():
         return present  # no download ever wrote here
-    from huggingface_hub._local_folder import read_download_metadata
+    try:
+        from huggingface_hub._local_folder import read_download_metadata
+    except ImportError:  # a huggingface_hub that keeps its records elsewhere: trust none
+        return present
 
     # None when the hub has no record of the file, or it was modified after it was downloaded.
-    return [name for name in present if read_download_metadata(local_dir, name) is None]
+    return [name for name in present
+            if getattr(read_download_metadata(local_dir, name), "commit_hash", None) != commit]
 
 
 def download(repo_id: str, assets: list[str], local_dir: pathlib.Path, revision: str | None,
              token: str | None) -> list[str]:
     """Download the asset files of repo_id into local_dir; return the files fetched. ExistingFileError (before
-    anything is written) when one of them is already there and is not an earlier download's."""
+    anything is written) when one of them is already there and is not an earlier download's of this commit."""
     from huggingface_hub import HfApi, snapshot_download
 
     patterns = [pattern for asset in assets for pattern in ASSET_PATTERNS[asset]]
     if local_dir.is_dir() and any(local_dir.iterdir()):
-        names = [name for name in HfApi().list_repo_files(repo_id, revision=revision, token=token)
-                 if any(fnmatch.fnmatch(name, pattern) for pattern in patterns)]
-        if foreign := foreign_files(local_dir, names):
+        info = HfApi().model_info(repo_id, revision=revision, token=token)
+        names = [s.rfilename for s in info.siblings or []
+                 if any(fnmatch.fnmatch(s.rfilename, pattern) for pattern in patterns)]
+        if foreign := foreign_files(local_dir, names, info.sha):
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             raise ExistingFileError(f"--local-dir {local_dir} already holds {foreign[0]!r}{more}, which this download "
-                                    "would overwrite and which no earlier download of it left there unchanged; give "
-                                    "another --local-dir (or move the file away)")
+                                    f"would overwrite and which no earlier download of {repo_id} at this revision "
+                                    "left there unchanged; give another --local-dir (or move the file away)")
+        revision = info.sha  # the commit judged above, not a branch that may move meanwhile
     snapshot_download(repo_id, revision=revision, allow_patterns=patterns, local_dir=local_dir, token=token)
     return sorted(str(p.relative_to(local_dir)) for p in local_dir.rglob("*")
                   if p.is_file() and ".cache" not in p.relative_to(local_dir).parts)

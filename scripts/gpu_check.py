@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a file: the parts' module beside it
 
 from scripts.gpu_check_parts import PARTS, Machine, Part, fmt  # noqa: E402
+from torchtitan.output_folder import folder_problem  # noqa: E402
 from torchtitan.script_args import ScriptParser, real  # noqa: E402
 
 WHEELS = REPO / ".gpu" / "whl"
@@ -293,6 +294,15 @@ def report_name(gpu: str | None, date: datetime.date) -> str:
     return f"gpu_check_{slug or 'gpu'}_{date:%Y-%m-%d}.md"
 
 
+def unused(path: Path) -> Path:
+    """``path``, or the first of path-2, path-3, ... that does not exist: a second check on the same GPU and day
+    keeps the first one's report."""
+    n = 1
+    while path.with_stem(f"{path.stem}-{n}" if n > 1 else path.stem).exists():
+        n += 1
+    return path.with_stem(f"{path.stem}-{n}" if n > 1 else path.stem)
+
+
 def plan_lines(parts: list[Part], machine: Machine | None, budget: float, report: Path) -> list[str]:
     """The parts in order with the limits they get if each takes its whole limit (with no GPU here: as if every
     part applied)."""
@@ -331,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: is a file; give a folder for the report")
+    if args.logs is not None and (problem := folder_problem(args.logs)):  # a part's files would mix with older ones
+        parser.error(f"--logs {args.logs} {problem}")
     deadline = time.monotonic() + args.budget
     python = sys.executable
     try:
@@ -348,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         installed, wheels_note = install_wheels(python, site, timeout=max(1, min(120, deadline - time.monotonic())))
         machine = Machine(python, child_env(site if installed else None), info, {"wheels": wheels_note})
         try:
-            machine.info = probe(python, machine.env, full=True, timeout=120)
+            machine.info = probe(python, machine.env, full=True, timeout=max(1, min(120, deadline - time.monotonic())))
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # an import that kills the interpreter
             machine.notes["packages"] = f"not known: importing them failed ({e})"
-        path = args.out / report_name(machine.gpus[0]["name"], today)
+        path = unused(args.out / report_name(machine.gpus[0]["name"], today))
         print("\n".join(plan_lines(PARTS, machine, args.budget, path)), flush=True)
         if args.plan:
             return 0

@@ -53,19 +53,6 @@ def measured_once(file_name: str, key: str, measure: Callable[[], Any],
         return cache[key], True
 
 
-def kept_highest(file_name: str, key: str, value: float) -> float:
-    """The higher of ``value`` and the one cached under ``key`` in the JSON file ``file_name``, which is stored there:
-    a cached best is raised, never lowered. Under the file's lock, so processes raising it at once lose nothing."""
-    path = cache_dir() / file_name
-    with locked(path.with_suffix(".lock")):
-        cache = json.loads(path.read_text()) if path.exists() else {}
-        if key in cache and cache[key] >= value:
-            return cache[key]
-        cache[key] = value
-        _write_json(path, cache)
-        return value
-
-
 def _write_json(path: Path, cache: dict) -> None:
     """Replace ``path`` whole, so a reader without the lock never sees half a file."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")

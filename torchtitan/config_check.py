@@ -237,7 +237,8 @@ def _check_converters(c: _Checker) -> None:
     if "lora" in c.cfg.model.converters:
         from torchtitan.components.lora.converter import config_problems as lora_problems
 
-        c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters, c.cfg.parallelism))
+        c.report("", lora_problems(c.cfg.lora, c.cfg.model.converters, c.cfg.parallelism,
+                                   c.cfg.training.enable_cpu_offload))
 
 
 def _check_data(c: _Checker) -> None:

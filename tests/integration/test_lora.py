@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 
-from tests.integration.parity import Matrix, assert_same_steps, rows_of
+from tests.integration.parity import COMMON, Matrix, assert_same_steps, rows_of
 from tests.integration.test_training import make_trainer
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError, load_config
@@ -38,9 +38,11 @@ DEBUG_LAYOUTS = {
                                 "2", "--activation_checkpoint.mode", "full", "--training.loss_chunk_size", "16"]),
     # QLoRA: the NF4 base is quantised from each whole weight, then FSDP shards the NF4 tensor: every layout computes
     # with the single process's exact base. Its bytes per rank are recorded (nf4_bytes_worker.py).
-    "qlora_single": (1, [*QLORA, "--training.local_batch_size", "8"]),
+    "qlora_single": (1, [*QLORA, "--training.local_batch_size", "8"], NF4_BYTES),
     "qlora_fsdp2": (2, [*QLORA, "--training.local_batch_size", "4"], NF4_BYTES),
     "qlora_fsdp4": (4, [*QLORA, "--training.local_batch_size", "2"], NF4_BYTES),
+    "qlora_hsdp2x2": (4, [*QLORA, "--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree",
+                          "2"], NF4_BYTES),
 }
 
 
@@ -54,7 +56,7 @@ def qlora_loaded_layouts(folder) -> dict[str, tuple]:
     hf = ["--checkpoint.enable", "--checkpoint.initial_load_path", f"{folder / 'qlora_base'}/checkpoint/export-step-1",
           "--checkpoint.initial_load_in_hf"]
     return {"qlora_base": (2, base),
-            "qlora_dcp_single": (1, [*QLORA, *dcp, "--training.local_batch_size", "8"]),
+            "qlora_dcp_single": (1, [*QLORA, *dcp, "--training.local_batch_size", "8"], NF4_BYTES),
             "qlora_dcp_fsdp4": (4, [*QLORA, *dcp, "--training.local_batch_size", "2"], NF4_BYTES),
             "qlora_hf_fsdp2": (2, [*QLORA, *hf, "--training.local_batch_size", "4"], NF4_BYTES)}
 MOE_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "32", "--metrics.log_freq", "1",
@@ -76,7 +78,7 @@ def suite_matrices(folder) -> dict[str, Matrix]:
     return {"lora_moe_": Matrix(MOE_LAYOUTS, "train_configs/qwen3_moe_debug.toml", MOE_COMMON)}
 
 
-QLORA_REFERENCES = {"qlora_fsdp2": "qlora_single", "qlora_fsdp4": "qlora_single",
+QLORA_REFERENCES = {"qlora_fsdp2": "qlora_single", "qlora_fsdp4": "qlora_single", "qlora_hsdp2x2": "qlora_single",
                     # The Hugging Face export holds the DCP checkpoint's float32 weights: one reference serves both.
                     "qlora_dcp_fsdp4": "qlora_dcp_single", "qlora_hf_fsdp2": "qlora_dcp_single"}
 
@@ -94,23 +96,31 @@ def test_lora_matches_the_single_process(suite_runs, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["qlora_fsdp2", "qlora_fsdp4", "qlora_dcp_fsdp4", "qlora_hf_fsdp2"])
-def test_fsdp_shards_the_nf4_base_as_the_planner_counts(suite_runs, layout):
-    """Under FSDP the NF4 base is sharded: each rank holds 0.52 bytes per quantised weight / the FSDP degree, as the
-    planner predicts (models/shared/nf4.nf4_shardable decides for both)."""
+@pytest.mark.parametrize("layout", ["qlora_fsdp2", "qlora_fsdp4", "qlora_hsdp2x2", "qlora_dcp_fsdp4", "qlora_hf_fsdp2"])
+def test_fsdp_shards_the_nf4_base_as_the_planner_counts_and_holds_the_single_process_slices(suite_runs, layout):
+    """Under FSDP the NF4 base is sharded: each rank holds 0.52 bytes per quantised weight / the FSDP degree, and all
+    its parameters take the bytes the planner's memory model predicts (models/shared/nf4.nf4_shardable decides for
+    both); each shard's dequantised values are bitwise the single process's rows (the base quantised whole, whether
+    seeded or loaded from a DCP checkpoint or a Hugging Face folder, never per shard)."""
     from torchtitan.config import load_config
     from torchtitan.planner import NF4_BYTES as PER_WEIGHT
-    from torchtitan.planner import model_shape
+    from torchtitan.planner import model_shape, plan
 
     folder, _ = suite_runs
-    nproc = {**DEBUG_LAYOUTS, **qlora_loaded_layouts(folder)}[layout][0]
+    nproc, flags = {**DEBUG_LAYOUTS, **qlora_loaded_layouts(folder)}[layout][:2]
     records = [json.loads((folder / layout / f"nf4-rank{rank}.json").read_text()) for rank in range(nproc)]
-    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *QLORA, "--training.seq_len", "32"])
+    single = json.loads((folder / QLORA_REFERENCES[layout] / "nf4-rank0.json").read_text())
+    cfg, _ = load_config(["--job.config_file", "train_configs/debug_model.toml", *COMMON, *flags])
     shape = model_shape(cfg)
-    predicted = shape.nf4_bytes(nproc)
+    shard = nproc // cfg.parallelism.data_parallel_replicate_degree  # HSDP: sharded over the last mesh dimension
+    predicted = shape.nf4_bytes(shard)
     assert len(shape.nf4_shapes) == 7 * 6 and all(r["weights"] == r["sharded"] == 42 for r in records)
-    assert all(r["bytes"] == predicted for r in records), (records, predicted)
-    assert predicted == pytest.approx(PER_WEIGHT * shape.nf4_params / nproc) and 0.51 < PER_WEIGHT < 0.52
+    assert all(r["bytes"] == predicted for r in records), (records[0]["bytes"], predicted)
+    assert predicted == pytest.approx(PER_WEIGHT * shape.nf4_params / shard) and 0.51 < PER_WEIGHT < 0.52
+    assert records[0]["param_bytes"] == pytest.approx(plan(cfg, "CPU", world_size=nproc, efficiency=0.5).memory.params)
+    for rank, record in enumerate(records):
+        for name, slices in record["values"].items():
+            assert slices["1"] == [single["values"][name][str(shard)][rank % shard]], (rank, name)
     print(f"{layout}: NF4 base {records[0]['bytes']:,} bytes per rank (planner {predicted:,.0f}); "
           f"{shape.nf4_params:,} quantised weights, {records[0]['bytes'] / shape.nf4_params:.4f} bytes each")
 
@@ -162,6 +172,7 @@ def test_targets_lora_cannot_adapt_are_refused_in_one_line(tmp_path, flags, matc
     (("--lora.base_dtype", "nf4", "--parallelism.tensor_parallel_degree", "2"),
      "parallelism.tensor_parallel_degree = 2 must be 1 with lora.base_dtype = 'nf4'"),
     (("--lora.base_dtype", "nf4", "--lora.train_base"), "cannot train an NF4 base"),
+    (("--lora.base_dtype", "nf4", "--training.enable_cpu_offload"), "cannot offload an NF4 base"),
 ])
 def test_bad_lora_settings_are_refused_by_the_config_check(flags, match):
     cfg, sources = load_config(["--job.config_file", "train_configs/tiny.toml", *LORA, *flags])

@@ -329,3 +329,19 @@ def test_gpu_throughput_writes_the_rows_gpu_check_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(gp, "dense_configs", lambda m: ["eager"])
     lines, problems = gp.dense_figures(machine(H100), tmp_path, "")
     assert problems == [] and any(line.startswith("| eager | ") for line in lines)
+
+
+def test_a_second_check_keeps_the_first_report_and_refuses_used_logs(tmp_path, gpu_machine, capsys):
+    gpu_machine([fake_part("passes", "print('fine')")])
+    out = tmp_path / "out"
+    for run in (1, 2):
+        assert gc.main(["--out", str(out), "--budget", "20", "--logs", str(tmp_path / f"logs{run}")]) == 0
+    day = time.strftime('%Y-%m-%d', time.gmtime())
+    assert sorted(p.name for p in out.iterdir()) == [f"gpu_check_h100_80gb_hbm3_{day}-2.md",
+                                                       f"gpu_check_h100_80gb_hbm3_{day}.md"]
+    before = {p: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:  # a used --logs would mix the parts' files with older ones
+        gc.main(["--out", str(out), "--budget", "20", "--logs", str(tmp_path / "logs1")])
+    assert exit_info.value.code == 2 and f"error: --logs {tmp_path / 'logs1'} holds '1_passes'" in \
+        capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.iterdir()} == before

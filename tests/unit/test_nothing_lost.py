@@ -4,6 +4,7 @@ prunes the newer checkpoints unless told to discard them; token shards at a URL 
 reused offline. Every file that existed before a run is byte-identical after it, refused or completed."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,31 @@ def test_the_converters_refuse_a_folder_holding_anything_and_write_a_new_one_who
     assert not [p for p in tmp_path.rglob("*partial*")]
 
 
+def test_an_empty_folder_is_written_in_place_and_a_refusing_file_system_is_one_line(tmp_path, monkeypatch):
+    """An empty output (a mount point, a volume) is written inside itself, never beside it: its parent may not be
+    writable. A file system that refuses a rename (another device) is an OutputError naming the folder."""
+    import errno
+    import os
+
+    (tmp_path / "out").mkdir()
+    with written_whole(tmp_path / "out") as folder:
+        (folder / "model.safetensors").write_bytes(b"weights")
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "rename", cross_device)
+    for target in (tmp_path / "new", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.raises(OutputError, match=f"^cannot write {target}: OSError: Invalid cross-device link$"):
+            with written_whole(target) as folder:
+                (folder / "config.json").write_text("{}")
+    assert not (tmp_path / "new").exists() and list((tmp_path / "empty").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]  # no partial folder left
+
+
 def test_a_write_that_fails_leaves_the_folder_as_it_was(tmp_path):
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "empty", tmp_path / "new"):
@@ -79,7 +105,7 @@ def test_a_write_that_fails_leaves_the_folder_as_it_was(tmp_path):
                 raise RuntimeError("disk full")
         assert target.exists() == existed and not (target.exists() and any(target.iterdir()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no partial folder left
-    with pytest.raises(OutputError, match="it was written to while this script ran"):
+    with pytest.raises(OutputError, match="was written to while this script ran"):
         with written_whole(tmp_path / "raced") as folder:
             (folder / "ours").write_text("ours")
             user_files(tmp_path / "raced")
@@ -109,36 +135,43 @@ def test_train_tokenizer_refuses_a_folder_holding_anything(tmp_path):
 
 
 def test_download_hf_assets_writes_no_repository_file_over_one_it_did_not_download(tmp_path, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
     import huggingface_hub
     from huggingface_hub._local_folder import write_download_metadata
 
     downloads = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files",
-                        lambda self, repo_id, **kw: ["tokenizer.json", "config.json", "README.md"])
+    files = [SimpleNamespace(rfilename=name) for name in ("tokenizer.json", "config.json", "README.md")]
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda self, repo_id, **kw: SimpleNamespace(sha=f"{repo_id}@head", siblings=files))
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: downloads.append(kw["local_dir"]))
-    argv = ["owner/model", "--assets", "tokenizer", "config", "--local-dir"]
+    argv = ["--assets", "tokenizer", "config", "--local-dir"]
     mine = user_files(tmp_path / "mine")  # the user's config.json has a repository file's name
     (tmp_path / "a_file").write_text("precious")
     before = snapshot(tmp_path)
-    assert_one_line_error(download_hf_assets.main, [*argv, str(mine)],
+    assert_one_line_error(download_hf_assets.main, ["owner/model", *argv, str(mine)],
                           f"--local-dir {mine} already holds 'config.json', which this download would overwrite",
                           unchanged=before)
-    assert_one_line_error(download_hf_assets.main, [*argv, str(tmp_path / "a_file")], "is an existing file",
-                          unchanged=before)
+    assert_one_line_error(download_hf_assets.main, ["owner/model", *argv, str(tmp_path / "a_file")],
+                          "is an existing file", unchanged=before)
     assert downloads == []
-    # Files an earlier download left unchanged may be downloaded again (the folder topped up)...
+    # Files an earlier download of this commit left unchanged may be downloaded again (the folder topped up)...
     earlier = tmp_path / "earlier"
     earlier.mkdir()
     (earlier / "tokenizer.json").write_text("downloaded")
-    write_download_metadata(earlier, "tokenizer.json", "commit", "etag")
+    write_download_metadata(earlier, "tokenizer.json", "owner/model@head", "etag")
     (earlier / "notes.md").write_text("unrelated: never a repository file here")
-    assert run_entry_point(download_hf_assets.main, [*argv, str(earlier)])[0] == 0
+    assert run_entry_point(download_hf_assets.main, ["owner/model", *argv, str(earlier)])[0] == 0
     assert downloads == [earlier]
-    # ...but not once the user edited one (the hub's record is older than the file).
+    # ...but not another repository's (or revision's) over them, nor one the user edited since.
     before = snapshot(tmp_path)
-    import os
+    assert_one_line_error(download_hf_assets.main, ["other/model", *argv, str(earlier)], "already holds "
+                          "'tokenizer.json', which this download would overwrite and which no earlier download of "
+                          "other/model at this revision left there unchanged", unchanged=before)
     os.utime(earlier / "tokenizer.json", (2e9, 2e9))
-    assert_one_line_error(download_hf_assets.main, [*argv, str(earlier)], "already holds 'tokenizer.json'")
+    assert_one_line_error(download_hf_assets.main, ["owner/model", *argv, str(earlier)], "already holds "
+                          "'tokenizer.json'", unchanged=before)
     assert downloads == [earlier]
 
 
@@ -157,6 +190,10 @@ def test_generate_config_replaces_only_a_file_it_generated(tmp_path, monkeypatch
         assert run_entry_point(generate_config.main, [*flags, "--output", str(ours)])[0] == 0
     assert ours.read_text().startswith(generate_config.GENERATED)
     assert_unchanged(before)
+    ours.write_text(ours.read_text().replace("steps = ", "steps = 1"))  # the user tuned the generated file
+    before = snapshot(tmp_path)
+    assert_one_line_error(generate_config.main, [*flags, "--output", str(ours)],
+                          f"{ours} was written by this script but edited since", unchanged=before)
 
 
 def test_resuming_from_an_earlier_step_never_touches_the_newer_checkpoints_unless_told(tmp_path):
@@ -169,12 +206,17 @@ def test_resuming_from_an_earlier_step_never_touches_the_newer_checkpoints_unles
         assert_one_line_error(train.main, [*run, "--checkpoint.load_step", str(step)],
                               f"checkpoint.load_step = {step} is below the newest checkpoints in {folder}: "
                               + ("step-2, " if step == 1 else "") + "step-3, export-step-3",
-                              "another checkpoint.folder with checkpoint.initial_load_path = "
-                              f"{folder / f'step-{step}'} and checkpoint.initial_load_model_only = false",
-                              "checkpoint.discard_newer_steps = true", unchanged=before)
+                              f"To branch off step {step}, copy {folder / f'step-{step}'} into a new folder and give "
+                              "that as checkpoint.folder", "checkpoint.discard_newer_steps = true", unchanged=before)
     assert_one_line_error(train.main, [*run, "--checkpoint.discard_newer_steps"],
                           "checkpoint.discard_newer_steps = True does nothing without checkpoint.load_step",
                           unchanged=before)
+    # Branching as the refusal says: step 1 copied into a new folder, which the run resumes from.
+    branch = tmp_path / "branch"
+    branch.mkdir()
+    shutil.copytree(folder / "step-1", branch / "step-1")
+    code, text = run_entry_point(train.main, [*run, f"--checkpoint.folder={branch}"])
+    assert code == 0 and "resumed from step 1" in text and complete_steps(branch) == [1, 2, 3]
     # load_only never writes: it may read any step.
     code, text = run_entry_point(train.main, [*run, "--checkpoint.load_step", "1", "--checkpoint.load_only"])
     assert code == 0 and "resumed from step 1" in text
@@ -185,8 +227,9 @@ def test_resuming_from_an_earlier_step_never_touches_the_newer_checkpoints_unles
     assert complete_steps(folder) == [1, 2, 3]
     assert (folder / "step-1" / ".metadata").read_bytes() == before[folder / "step-1" / ".metadata"]
     rows = [json.loads(line) for line in (tmp_path / "dump" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2, 3, 2, 3, 2, 3]  # the load_only run trained too, saving nothing
-    assert [row["loss"] for row in rows[3:]] == [row["loss"] for row in rows[1:3]] * 2  # the same steps again
+    # The branch, then the load_only run (it trains too, saving nothing), then the discarding one.
+    assert [row["step"] for row in rows] == [1, 2, 3, 2, 3, 2, 3, 2, 3]
+    assert [row["loss"] for row in rows[3:]] == [row["loss"] for row in rows[1:3]] * 3  # the same steps again
 
 
 @pytest.mark.parametrize("scheme", ["file", "memory"])

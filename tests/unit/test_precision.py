@@ -196,17 +196,17 @@ def cached_peaks(tmp_path) -> list[float]:
 
 
 @pytest.mark.parametrize("calibrated_tflops", [2.0, 0.02])  # equal to what is achieved, and 100 times lower
-def test_mfu_is_never_above_100_percent_and_a_higher_rate_raises_the_cached_peak(tmp_path, calibrated,
-                                                                                   calibrated_tflops):
+def test_mfu_is_never_above_100_percent_and_a_higher_rate_raises_the_peak_for_the_run(tmp_path, calibrated,
+                                                                                      calibrated_tflops):
     """Two one-thread trainings side by side on a 2-core CPU logged 98-107% against a peak calibrated under load."""
     calibrated(calibrated_tflops)
     peak = peak_flops.Peak(torch.device("cpu"), torch.float32, override=None)
     assert peak.tflops == calibrated_tflops
-    assert peak.mfu(2.0) == pytest.approx(100.0)
-    assert peak.tflops == 2.0 and cached_peaks(tmp_path) == [2.0]  # raised in the cache (or already there)
+    assert peak.mfu(2.0) == pytest.approx(100.0) and peak.tflops == 2.0
     assert peak.mfu(1.0) == pytest.approx(50.0)  # a slower window is measured against the raised peak
-    calibrated(0.001)  # the next run does not calibrate again: it starts from the raised peak
-    assert peak_flops.Peak(torch.device("cpu"), torch.float32, override=None).tflops == 2.0
+    # The cache keeps the measured rate: a rate above it may come from a FLOP count that overstates the work.
+    assert cached_peaks(tmp_path) == [calibrated_tflops]
+    assert peak_flops.Peak(torch.device("cpu"), torch.float32, override=None).tflops == calibrated_tflops
 
 
 @pytest.mark.parametrize("override, device", [(0.5, "cpu"), (None, "meta")])
@@ -231,7 +231,7 @@ def test_the_metrics_row_never_shows_more_than_100_percent(tmp_path, calibrated,
     metrics.record_step(1, local_tokens=4096, data_seconds=0.0)
     row = metrics.log(1, loss=1.0, grad_norm=1.0, lr=1e-3)
     assert row["tflops"] > 1e-6 and row["mfu"] == pytest.approx(100.0)
-    assert cached_peaks(tmp_path) == [pytest.approx(row["tflops"], rel=0.05)]  # the row rounds to 4 decimals
+    assert cached_peaks(tmp_path) == [1e-6]  # an overstated FLOP count (1e13) leaves no trace for later runs
 
 
 def test_the_cpu_peak_is_kept_per_thread_count(tmp_path, monkeypatch):
@@ -250,13 +250,3 @@ def test_the_cpu_peak_is_kept_per_thread_count(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     assert calls == [1, 2]  # each thread count measured once, then read from the cache
     assert peak_flops.cpu_machine_peak_tflops(torch.bfloat16) == pytest.approx(1.6)  # the planner's: all cores
-
-
-def test_a_cached_best_is_raised_but_never_lowered(tmp_path, monkeypatch):
-    from torchtitan.cache import kept_highest
-
-    monkeypatch.setenv("TORCHTITAN_CACHE_DIR", str(tmp_path))
-    assert kept_highest("best.json", "k", 1.0) == 1.0
-    assert kept_highest("best.json", "k", 0.5) == 1.0
-    assert kept_highest("best.json", "k", 3.0) == 3.0
-    assert json.loads((tmp_path / "best.json").read_text()) == {"k": 3.0}

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.components.lora.converter import to_nf4
 from torchtitan.config import load_config
-from torchtitan.distributed.data_parallel import _nf4_kept_whole
+from torchtitan.distributed.data_parallel import _prepare_nf4_weights
 from torchtitan.models.shared.nf4 import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, nf4_bytes, nf4_shardable, set_nf4_
 from torchtitan.models.shared.seeded_init import assign_whole_
 from torchtitan.planner import NF4_BYTES, model_shape
@@ -77,7 +77,7 @@ def test_weights_that_do_not_shard_stay_whole_and_are_named(caplog, degree, whol
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO):
-            kept = _nf4_kept_whole(model, mesh)
+            kept = _prepare_nf4_weights(model, mesh)
     finally:
         logger.removeHandler(caplog.handler)
     assert len(kept) == whole

@@ -333,6 +333,8 @@ class ReplicaGroups(Stateful):
         for fragment in self.diloco._fragments:
             for local_name, p in fragment._model_fragment.named_parameters():
                 if id(p) in names:
+                    # A DTensor's shard lives on its mesh's device: a GPU run copies the host copy back for the save
+                    # (a checkpoint between synchronisations only; at one the agreed weights are the model's).
                     kept = fragment.original_parameters[local_name].to(p.device)
                     agreed[names[id(p)]] = DTensor.from_local(kept, p.device_mesh, p.placements, shape=p.shape,
                                                               stride=p.stride()) if isinstance(p, DTensor) else kept
@@ -352,7 +354,12 @@ class ReplicaGroups(Stateful):
                     local = agreed.to_local() if isinstance(agreed, DTensor) else agreed
                     fragment.original_parameters[local_name].copy_(local)
         if _STEP in self._loaded:
-            self.diloco._local_step = int(self._loaded[_STEP].item())
+            step, every = int(self._loaded[_STEP].item()), self.cfg.semi_sync.sync_every
+            if step >= every:
+                raise ReplicaGroupError(f"fault_tolerance.semi_sync.sync_every = {every}: the checkpoint was taken "
+                                        f"{step} inner steps after the groups' last synchronisation; resume with "
+                                        f"sync_every > {step} (the one it was trained with)")
+            self.diloco._local_step = step
         self._loaded = {}
 
 
@@ -387,6 +394,15 @@ def _build_diloco(manager, cfg, model_parts: list[nn.Module], optimizer: torch.o
     diloco = DiLoCo(manager, fragments, optimizer, outer, sync_every=cfg.sync_every,
                     pin_memory=device.type == "cuda")
     diloco.__enter__()  # hooks the inner optimizer's step; they live as long as the run
+    # What checkpoints save and restore of it (ReplicaGroups._diloco_state) is torchft's own state, not its API.
+    fragment = diloco._fragments[0] if hasattr(diloco, "_fragments") else None
+    if not (hasattr(diloco, "_local_step") and hasattr(fragment, "original_parameters")
+            and hasattr(fragment, "_model_fragment")):
+        import torchft
+
+        raise ReplicaGroupError(f"this torchft ({getattr(torchft, '__version__', 'unknown version')}) keeps "
+                                "DiLoCo's state under other names than the checkpoints read (_local_step, "
+                                "_fragments[i].original_parameters); install the torchft 0.2 this was built on")
     return diloco, outer
 
 

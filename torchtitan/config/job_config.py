@@ -240,8 +240,8 @@ class Checkpoint:
     )
     keep_latest_k: int = option(10, "Keep this many latest checkpoints (0 = all)")
     load_step: int = option(-1, "Step to load (-1 = latest). Below the newest checkpoint the run refuses to start "
-                            "(its saves would overwrite or prune the newer ones): branch into another folder, or "
-                            "set discard_newer_steps")
+                            "(its saves would overwrite or prune the newer ones): copy that step into a new "
+                            "checkpoint.folder to branch, or set discard_newer_steps")
     discard_newer_steps: bool = option(False, "With load_step below the newest checkpoint: delete the newer "
                                        "checkpoints and exports once load_step's is loaded, instead of refusing")
     exclude_from_loading: list[str] = option([], "State keys not to load, e.g. optimizer,dataloader")

@@ -31,7 +31,7 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
-    if whole := _nf4_kept_whole(model, mesh):
+    if whole := _prepare_nf4_weights(model, mesh):
         kwargs["ignored_params"] = whole
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -58,10 +58,11 @@ def apply_fsdp(
     return model
 
 
-def _nf4_kept_whole(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
-    """A QLoRA base's NF4 weights (models/shared/nf4.py), quantised whole, are sharded like any weight where their
-    rows split into whole scale groups over the shard ranks (FSDP cannot pad them); the others stay whole on every
-    rank, which is returned (and logged) for FSDP to leave out."""
+def _prepare_nf4_weights(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Ready a QLoRA base's NF4 weights (models/shared/nf4.py), quantised whole, for FSDP: those whose rows split into
+    whole scale groups over the shard ranks are sharded like any weight (their per-tensor constants placed on the
+    device, shared by the shards); the others, which FSDP cannot pad, stay whole on every rank: returned (and
+    logged) for FSDP to leave out."""
     ids = {id(p) for p in nf4_weights(model)}
     nf4 = {name: p for name, p in model.named_parameters() if id(p) in ids}
     whole = {name for name, p in nf4.items() if not nf4_shardable(tuple(p.shape), mesh.size(-1))}

@@ -200,13 +200,12 @@ class CheckpointManager:
             step = self.cfg.load_step
             newer = [] if self.cfg.load_only else self.storage.saved_after(step)
             if newer and not self.cfg.discard_newer_steps:
-                where = self.storage.where(f"step-{step}")
                 raise CheckpointError(
                     f"checkpoint.load_step = {step} is below the newest checkpoints in {self.storage.location}: "
                     f"{', '.join(newer)}; this run's saves would overwrite or prune them, so it does not start. To "
-                    f"branch off step {step}, give this run another checkpoint.folder with "
-                    f"checkpoint.initial_load_path = {where} and checkpoint.initial_load_model_only = false; to "
-                    "discard the newer ones, set checkpoint.discard_newer_steps = true")
+                    f"branch off step {step}, copy {self.storage.where(f'step-{step}')} into a new folder and give "
+                    "that as checkpoint.folder (the run resumes from it); to discard the newer ones, set "
+                    "checkpoint.discard_newer_steps = true")
         elif steps:
             step = steps[-1]
         elif self.cfg.initial_load_path:
@@ -242,7 +241,8 @@ class CheckpointManager:
             self._load_hf(location)
             return
         if "base" in self.states:  # a fine-tuning run's base: the weights only, whatever else the folder holds
-            self._load(location, ["model"], {"model": self.base_state})
+            for group in self.base_state.in_groups():  # a QLoRA base: a block of NF4 weights at a time
+                self._load(location, ["model"], {"model": group})
             logger.info(f"loaded the base model from {location}")
             return
         keys = ["model"] if self.cfg.initial_load_model_only else [k for k in STATE_KEYS if k in self.states]
@@ -256,7 +256,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.initial_load_in_hf: this model has no Hugging Face adapter ({location})")
         # Names and shapes are checked against the model's (global shapes, this rank's stages) before any tensor
         # is read.
-        expected = {name: tensor.shape for name, tensor in self.base_state.state_dict().items()}
+        expected = self.base_state.shapes()
         try:
             with fetched_folder(location, "config.json", "*.safetensors") as path:
                 state = read_hf_model_state(path, self.state_dict_adapter, expected)

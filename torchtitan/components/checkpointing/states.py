@@ -55,16 +55,38 @@ class ModelState(Stateful):
         self.include = include
         self.loading_only = loading_only  # see state_dict
 
-    def state_dict(self) -> dict:
+    def _tensors(self) -> dict[str, torch.Tensor]:
         state = {}
         for part in self.model_parts:
             state.update({name: t for name, t in get_model_state_dict(part).items() if self.include(name)})
+        return state
+
+    def state_dict(self) -> dict:
+        state = self._tensors()
         if not self.loading_only:
             return state
-        # An NF4 weight (a QLoRA base) is loaded whole, as a plain tensor of its shape, even where FSDP shards it:
-        # load_state_dict then quantises the whole weight and keeps this rank's slice.
-        return {name: torch.empty(t.shape, dtype=t.dtype, device=t.device) if is_nf4(_local(t)) else t
+        # An NF4 weight (a QLoRA base) is loaded whole, as a plain tensor of its shape on the host, even where FSDP
+        # shards it: load_state_dict then quantises the whole weight and keeps this rank's slice (in_groups bounds
+        # how many are whole at once).
+        return {name: torch.empty(t.shape, dtype=t.dtype, device="cpu") if is_nf4(_local(t)) else t
                 for name, t in state.items()}
+
+    def shapes(self) -> dict[str, torch.Size]:
+        """The shape of every weight and buffer, nothing allocated."""
+        return {name: t.shape for name, t in self._tensors().items()}
+
+    def in_groups(self) -> list["ModelState"]:
+        """These weights as states loaded one after another: a QLoRA base's NF4 weights a block at a time (each is
+        read whole, in training.dtype, before it is quantised: the whole base at once would need the unquantised
+        model on every rank), everything else in one."""
+        nf4 = {name for name, t in self._tensors().items() if is_nf4(_local(t))}
+        if not nf4:
+            return [self]
+        blocks = sorted({name.split(".", 2)[1] for name in nf4 if name.startswith("layers.")}, key=int)
+        groups = [lambda name: self.include(name) and name not in nf4]
+        groups += [lambda name, prefix=f"layers.{block}.": name in nf4 and name.startswith(prefix) for block in blocks]
+        groups.append(lambda name: name in nf4 and not name.startswith("layers."))
+        return [ModelState(self.model_parts, include, self.loading_only) for include in groups]
 
     def load_state_dict(self, state: dict) -> None:
         load_model_state(self.model_parts, state, StateDictOptions(strict=False))
@@ -76,10 +98,10 @@ class ModelState(Stateful):
                  if name.startswith("model.")}
         if reason := self.missing_from(saved):
             return reason
-        for name, tensor in self.state_dict().items():
+        for name, shape in self.shapes().items():
             size = getattr(saved.get(name), "size", None)
-            if size is not None and tuple(size) != tuple(tensor.shape):
-                return (f"it holds {name} with shape {list(size)}, but the model needs {list(tensor.shape)}: it was "
+            if size is not None and tuple(size) != tuple(shape):
+                return (f"it holds {name} with shape {list(size)}, but the model needs {list(shape)}: it was "
                         "saved from a model of another size (check model.flavor)")
         return None
 

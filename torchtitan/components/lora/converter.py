@@ -37,7 +37,8 @@ def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     return torchao_to_nf4(weight.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
 
 
-def config_problems(cfg: LoRAConfig, converters: list[str], parallelism) -> list[tuple[str, str]]:
+def config_problems(cfg: LoRAConfig, converters: list[str], parallelism, cpu_offload: bool = False
+                    ) -> list[tuple[str, str]]:
     """Problems with the [lora] section (and the converters' order) as (full key, reason) pairs."""
     problems = []
     if cfg.rank < 1:
@@ -59,6 +60,9 @@ def config_problems(cfg: LoRAConfig, converters: list[str], parallelism) -> list
             if getattr(parallelism, key) > 1:
                 problems.append((f"parallelism.{key}", "must be 1 with lora.base_dtype = 'nf4': the NF4 base is "
                                  "sharded by FSDP only (data parallelism, FSDP/HSDP and pipelining work)"))
+        if cpu_offload:
+            problems.append(("training.enable_cpu_offload", "cannot offload an NF4 base (lora.base_dtype = 'nf4'): "
+                             "its per-tensor constants stay on the device FSDP gathers it on; leave one of them out"))
         if "float8" in converters:
             problems.append(("model.converters", "lists 'float8', whose matmuls need a high-precision weight; "
                              "lora.base_dtype = 'nf4' stores the base in 4 bits (use one or the other)"))

@@ -3,9 +3,9 @@
 A device we know nothing about gets no peak (MFU is not reported) rather than another device's.
 
 MFU is never above 100%, by construction (``Peak.mfu``): the peak is at least every rate achieved, so when a
-logged window computes faster than the peak, the peak is raised to that rate first (logged once). On a CPU the
-peak is the best matmul throughput known for this machine, dtype and thread count, and a raise is stored in the
-cache too: a calibration made while neighbours loaded the machine only reads low until training shows better.
+logged window computes faster than the peak, the peak is raised to that rate first (logged once), for this run:
+the cache keeps only measured matmul rates, since a rate above the peak can as well mean a FLOP count that
+overstates the work (the causal half of attention) as a calibration made while neighbours loaded the machine.
 The thread count is part of the key, not a share of an all-core peak: a process computing on 1 of 2 cores runs
 faster than half the machine (a single core clocks higher and has the caches and memory to itself), which the
 share scaling took for more than 100% of its peak.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan.cache import cache_dir, kept_highest, measured_once
+from torchtitan.cache import cache_dir, measured_once
 from torchtitan.hardware import cpu_model, usable_cores
 from torchtitan.log import logger
 
@@ -157,9 +157,6 @@ class Peak:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, override: float | None):
         self.tflops = device_peak_tflops(device, dtype, override)
-        # Only a measured CPU peak is raised in the cache: a data sheet's or metrics.peak_tflops stays as written
-        # for the next run (achieving more than those means the FLOP count overstates the work done).
-        self.cache_key = cpu_peak_key(dtype, cpu_threads()) if override is None and device.type == "cpu" else None
         self.source = ("metrics.peak_tflops" if override is not None else
                        "this CPU's measured peak" if device.type == "cpu" else "the data sheet's peak")
         self.raised = False
@@ -169,12 +166,10 @@ class Peak:
         if self.tflops is None:
             return None
         if achieved_tflops > self.tflops:
-            before = self.tflops
-            self.tflops = (kept_highest(CACHE_FILE, self.cache_key, achieved_tflops) if self.cache_key is not None
-                           else achieved_tflops)
+            before, self.tflops = self.tflops, achieved_tflops
             if not self.raised:
                 self.raised = True
-                stored = f", also in {cache_dir() / CACHE_FILE}" if self.cache_key is not None else ""
                 logger.info(f"MFU: {achieved_tflops:.4g} TFLOP/s achieved is above {self.source} of {before:.4g}; "
-                            f"the peak is raised to it{stored} (MFU is never above 100%)")
+                            "the peak is raised to it for this run (MFU is never above 100%; a CPU peak measured "
+                            "under load is measured again once its cache file is deleted)")
         return 100.0 * achieved_tflops / self.tflops
