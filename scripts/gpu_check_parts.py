@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,24 +241,34 @@ def fla_figures(machine: Machine, work: Path, output: str) -> tuple[list[str], l
     return lines, problems
 
 
+# The two-GPU runs: the debug model, then QLoRA on it (its NF4 base sharded by FSDP: the path that has run on CPU only).
+NCCL_RUNS = {"run": [], "qlora": ["--model.converters", "lora", "--lora.base_dtype", "nf4", "--lora.targets",
+                                  "attention.*,feed_forward.*", "--optimizer.lr", "1e-2"]}
+
+
 def nccl_command(machine: Machine, work: Path) -> list[str]:
-    return [machine.python, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", "--job.config_file",
-            "train_configs/debug_model.toml", "--training.steps", "20", "--metrics.log_freq", "1",
-            f"--job.dump_folder={work / 'run'}"]
+    runs = [shlex.join([machine.python, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend", "c10d",
+                        "--rdzv_endpoint=localhost:0", "-m", "torchtitan.train", "--job.config_file",
+                        "train_configs/debug_model.toml", "--training.steps", "10", "--metrics.log_freq", "1",
+                        f"--job.dump_folder={work / name}", *flags]) for name, flags in NCCL_RUNS.items()]
+    return ["sh", "-c", " && ".join(runs)]
 
 
 def nccl_figures(machine: Machine, work: Path, output: str) -> tuple[list[str], list[str]]:
-    rows = [r for r in read_jsonl(work / "run" / "metrics.jsonl") if "loss" in r]
-    if not rows:
-        return ["No metrics rows."], ["no metrics rows"]
-    losses = [r["loss"] for r in rows]
-    tps = statistics.median(r["tps"] for r in rows[2:] or rows)
-    lines = [f"Llama 3 debug model, FSDP over 2 GPUs, {len(rows)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-             f"{tps:,.0f} tokens/s per GPU (median of steps 3+), peak memory "
-             f"{max(r['memory_gib'] for r in rows):.2f} GiB."]
-    problems = [] if all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] else \
-        [f"the loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"]
+    lines, problems = [], []
+    for name, what in (("run", "Llama 3 debug model"), ("qlora", "QLoRA on it (NF4 base sharded)")):
+        rows = [r for r in read_jsonl(work / name / "metrics.jsonl") if "loss" in r]
+        if not rows:
+            lines.append(f"{what}: no metrics rows.")
+            problems.append(f"{name}: no metrics rows")
+            continue
+        losses = [r["loss"] for r in rows]
+        tps = statistics.median(r["tps"] for r in rows[2:] or rows)
+        lines.append(f"{what}, FSDP over 2 GPUs, {len(rows)} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                     f"{tps:,.0f} tokens/s per GPU (median of steps 3+), peak memory "
+                     f"{max(r['memory_gib'] for r in rows):.2f} GiB.")
+        if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]):
+            problems.append(f"{name}: the loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}")
     return lines, problems
 
 
@@ -281,7 +292,7 @@ PARTS = [
     Part("fla against the chunked kernel", lambda m: "benchmarks/gated_delta_rule.py (parity and times), if fla "
          "is importable", 40, 25, fla_skip,
          lambda m, work: [m.python, "benchmarks/gated_delta_rule.py", "--json", str(work / "rows.jsonl")], fla_figures),
-    Part("NCCL, two processes", lambda m: "torchrun --nproc_per_node 2, the debug model 20 steps (FSDP), if two "
-         "GPUs are present", 40, 25,
+    Part("NCCL, two processes", lambda m: "torchrun --nproc_per_node 2, the debug model 10 steps (FSDP), then QLoRA "
+         "on it 10 steps (its NF4 base sharded), if two GPUs are present", 40, 25,
          lambda m: None if len(m.gpus) >= 2 else f"this machine has {len(m.gpus)} GPU", nccl_command, nccl_figures),
 ]

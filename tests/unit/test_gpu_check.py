@@ -263,13 +263,18 @@ def test_fla_and_nccl_figures(tmp_path):
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines, problems = gp.fla_figures(machine(H100), tmp_path, "")
     assert "| fla | 3.20 | 2,560,000 |" in lines and problems == ["dk differs by 3.0e-02 (> 0.01)"]
-    (tmp_path / "run").mkdir()
-    metrics = [{"step": s, "loss": 8 - s / 4, "tps": 1000.0 + s, "memory_gib": 1.5} for s in range(1, 21)]
-    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    metrics = [{"step": s, "loss": 8 - s / 4, "tps": 1000.0 + s, "memory_gib": 1.5} for s in range(1, 11)]
+    for name in ("run", "qlora"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
     lines, problems = gp.nccl_figures(machine(H100, H100), tmp_path, "")
-    assert problems == [] and "loss 7.750 -> 3.000, 1,012 tokens/s per GPU" in lines[0]
-    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": 8.0}) + "\n" for r in metrics))
-    assert gp.nccl_figures(machine(H100, H100), tmp_path, "")[1] == ["the loss did not fall: 8.000 -> 8.000"]
+    assert problems == [] and "loss 7.750 -> 5.500, 1,006 tokens/s per GPU" in lines[0]
+    assert lines[1].startswith("QLoRA on it (NF4 base sharded), FSDP over 2 GPUs, 10 steps")
+    (tmp_path / "qlora" / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": 8.0}) + "\n" for r in metrics))
+    assert gp.nccl_figures(machine(H100, H100), tmp_path, "")[1] == ["qlora: the loss did not fall: 8.000 -> 8.000"]
+    command = gp.nccl_command(machine(H100, H100), tmp_path)
+    assert command[:2] == ["sh", "-c"] and command[2].count("torchtitan.train") == 2 and "lora.base_dtype nf4" in \
+        command[2]
 
 
 @pytest.fixture
