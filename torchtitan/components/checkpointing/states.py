@@ -82,10 +82,11 @@ class ModelState(Stateful):
         nf4 = {name for name, t in self._tensors().items() if is_nf4(_local(t))}
         if not nf4:
             return [self]
-        blocks = sorted({name.split(".", 2)[1] for name in nf4 if name.startswith("layers.")}, key=int)
+        blocks: dict[str, set[str]] = {}  # "layers.N" -> its NF4 weights
+        for name in nf4:
+            blocks.setdefault(".".join(name.split(".")[:2]), set()).add(name)
         groups = [lambda name: self.include(name) and name not in nf4]
-        groups += [lambda name, prefix=f"layers.{block}.": name in nf4 and name.startswith(prefix) for block in blocks]
-        groups.append(lambda name: name in nf4 and not name.startswith("layers."))
+        groups += [lambda name, names=names: name in names for names in blocks.values()]
         return [ModelState(self.model_parts, include, self.loading_only) for include in groups]
 
     def load_state_dict(self, state: dict) -> None:
