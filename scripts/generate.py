@@ -22,7 +22,7 @@ from torchtitan.config import ConfigError
 from torchtitan.config_check import load_model_config
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
 from torchtitan.device_arg import default_device, parse_device
-from torchtitan.generation import SamplingConfig, generate
+from torchtitan.generation import SamplingConfig, generate_without_cache as generate
 from torchtitan.inference import load_model
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.script_args import SEED, ScriptParser, integer, real

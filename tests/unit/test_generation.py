@@ -1,9 +1,10 @@
-"""Sampling filters on hand-built logits, and the sampling loop on a stub model."""
+"""Sampling filters on hand-built logits, and the cache-free reference loop on a stub model."""
 
 import pytest
 import torch
 
-from torchtitan.generation import SamplingConfig, filter_top_k, filter_top_p, generate, next_token
+from torchtitan.generation import SamplingConfig, choose, filter_top_k, filter_top_p
+from torchtitan.generation import generate_without_cache as generate
 
 NEG_INF = float("-inf")
 
@@ -51,10 +52,10 @@ def test_top_p_keeps_logit_values_of_survivors():
 
 def test_greedy_picks_argmax_and_sampling_respects_filters():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    assert next_token(logits, SamplingConfig(temperature=0), None).item() == 1
+    assert choose(logits, SamplingConfig(temperature=0), None)[0].item() == 1
     generator = torch.Generator().manual_seed(0)
     cfg = SamplingConfig(temperature=5.0, top_k=2)
-    seen = {next_token(logits, cfg, generator).item() for _ in range(200)}
+    seen = {choose(logits, cfg, generator)[0].item() for _ in range(200)}
     assert seen == {1, 3}
 
 

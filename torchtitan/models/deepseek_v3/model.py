@@ -25,6 +25,10 @@ from torchtitan.models.shared.moe import MoE
 from torchtitan.models.shared.rope import apply_rope
 
 
+def own_latents(latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return latent, k_rope
+
+
 class MultiHeadLatentAttention(nn.Module):
     def __init__(self, args: DeepseekV3ModelArgs):
         super().__init__()
@@ -48,6 +52,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         # The attention kernel, attention_fn(q, k, v, documents, scale=); context parallelism may swap it.
         self.attention_fn = attend
+        # latent_fn(latent, k_rope) -> the latents and rotary keys attention reads: these tokens' own in training;
+        # the generation engine swaps in its latent cache (torchtitan/generation/), which returns the history too.
+        self.latent_fn = own_latents
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +66,8 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rope, rope, self.rope_convention, positions)], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rope(k_rope.unsqueeze(2), rope, self.rope_convention, positions)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.nope_dim + self.v_dim)
+        latent, k_rope = self.latent_fn(latent, k_rope)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, latent.shape[1], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -112,6 +120,9 @@ class DeepseekV3Model(Decoder):
         block = MultiTokenPredictionBlock if layer_id >= a.n_layers else TransformerBlock
         return block(layer_id, a.dim, a.norm_eps, MultiHeadLatentAttention(a), ffn)
 
+    def main_layers(self) -> list[nn.Module]:
+        return [block for name, block in self.layers.items() if int(name) < self.args.n_layers]
+
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 mtp_tokens: torch.Tensor | None = None,
@@ -119,16 +130,12 @@ class DeepseekV3Model(Decoder):
         """As Decoder.forward; with ``mtp_tokens`` (batch, mtp_depth, seq), the token k places ahead of each
         position for depth k (components/objectives/multi_token_prediction.py), it returns (main output, the output of each
         depth ...): logits, or with ``labels`` the summed losses against ``mtp_labels`` (batch, depth, seq)."""
-        h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         documents = self._documents(document_ids)
-        main, extra = [], []
-        for name, block in self.layers.items():
-            (main if int(name) < self.args.n_layers else extra).append(block)
-        for block in main:
-            h = block(h, self.rope, documents=documents, positions=positions)
-        out = self._head(self.norm(h) if self.norm is not None else h, labels)
+        h = self.run_blocks(tokens, documents, positions)
+        out = self.head(h, labels)
         if mtp_tokens is None or self.output is None:  # (an earlier pipeline stage: no prediction here)
             return out
+        extra = [block for name, block in self.layers.items() if int(name) >= self.args.n_layers]
         if mtp_tokens.shape[1] != len(extra) or (labels is not None and mtp_labels is None):
             raise ValueError(f"multi-token prediction needs mtp_tokens for its {len(extra)} depths (got "
                              f"{mtp_tokens.shape[1]}), and mtp_labels with labels")
@@ -136,5 +143,5 @@ class DeepseekV3Model(Decoder):
         for depth, block in enumerate(extra):
             h, normed = block(h, self.rope, documents=documents, positions=positions,
                               embeddings=self.tok_embeddings(mtp_tokens[:, depth]))
-            predictions.append(self._head(normed, None if labels is None else mtp_labels[:, depth]))
+            predictions.append(self._project(normed, None if labels is None else mtp_labels[:, depth]))
         return out, *predictions

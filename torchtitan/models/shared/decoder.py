@@ -137,16 +137,29 @@ class Decoder(nn.Module):
         never decreasing along a row, makes attention block-causal; ``positions`` (batch, seq) are the RoPE
         positions (e.g. restarting at each document), else 0, 1, 2, ... ``labels`` (batch, seq) go to an output
         head that computes the loss itself (ChunkedLinearCrossEntropy): it then returns the summed loss."""
+        return self.head(self.run_blocks(tokens, self._documents(document_ids), positions), labels)
+
+    def main_layers(self) -> list[nn.Module]:
+        """The blocks every forward runs, in order (a family's blocks that only training runs are left out)."""
+        return list(self.layers.values())
+
+    def run_blocks(self, tokens: torch.Tensor, documents: DocumentMask | None = None,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states after the main blocks, before the final norm. The generation engine runs this and
+        then ``head`` on the last position only (a vocabulary-wide output for every prompt token is its peak)."""
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
-        documents = self._documents(document_ids)
-        for layer in self.layers.values():
+        for layer in self.main_layers():
             h = layer(h, self.rope, documents=documents, positions=positions)
-        return self._head(self.norm(h) if self.norm is not None else h, labels)
+        return h
 
     def _documents(self, document_ids: torch.Tensor | None) -> DocumentMask | None:
         return DocumentMask(document_ids, self.flex_block_mask) if document_ids is not None else None
 
-    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and output projection of the blocks' hidden states (the loss, with labels)."""
+        return self._project(self.norm(h) if self.norm is not None else h, labels)
+
+    def _project(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The output projection of normed hidden states (the loss, with labels); ``h`` itself on a stage
         without it."""
         if self.output is None:

@@ -139,3 +139,18 @@ def chunk_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def apply_incoming(o0: torch.Tensor, qt: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
     """Outputs of a span given its incoming state (B, H, K, V): o0 + S_in^T qt per token."""
     return o0 + torch.einsum("blhk,bhkv->blhv", qt, incoming.to(qt.dtype)).to(o0.dtype)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence, for decoding after a prefill: (output (B, H, V), next state (B, H, K, V)).
+
+    q, k (B, H, K); v (B, H, V); g, beta (B, H); state (B, H, K, V). With S' = exp(g) S the update
+    exp(g) (I - beta k k^T) S + beta k v^T is S' + beta k (v - S'^T k)^T: a decay, then the delta-rule write of
+    what the state's recall of k is missing. Computes in the state's dtype (the chunked form hands back float32)."""
+    work = state.dtype
+    q, k, v, g, beta = (t.to(work) for t in (q, k, v, g, beta))
+    state = state * g.exp()[..., None, None]
+    recalled = torch.einsum("bhk,bhkv->bhv", k, state)
+    state = state + torch.einsum("bhk,bhv->bhkv", k, beta[..., None] * (v - recalled))
+    return torch.einsum("bhk,bhkv->bhv", q, state), state

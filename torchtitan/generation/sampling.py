@@ -1,14 +1,16 @@
-"""Sampling text from a trained model: temperature, top-k and top-p (nucleus) filtering.
+"""How each next token is chosen from the model's logits: greedy, or sampled after temperature, top-k and top-p
+(nucleus) filtering; and the log-probability reported for it.
 
-The model has no key/value cache, so every new token runs the whole (cropped) context through the
-model again. That costs O(n^2) work over a generation, which is fine for the short samples this is
-meant for: checking that a checkpoint learned something, not serving.
+The log-probability of a sampled token is taken from the distribution it was drawn from: log_softmax of the
+processed logits (``processed_logits``: divided by the temperature, then top-k and top-p filtered, which renormalises
+over the kept tokens). A trainer that wants the same numbers applies ``processed_logits`` to its own logits (the RL
+objective does). Greedy decoding (temperature 0) has no sampling distribution: its log-probability is under the
+model's own one (temperature 1, nothing filtered).
 """
 
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -60,44 +62,22 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of ``logits`` ([batch, vocab]) -> [batch, 1]."""
+def processed_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The float32 logits each token is drawn from: divided by the temperature, top-k then top-p filtered (-inf
+    outside); greedy (temperature 0) leaves them as the model gave them."""
     logits = logits.float()
     if cfg.temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = filter_top_p(filter_top_k(logits / cfg.temperature, cfg.top_k), cfg.top_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+        return logits
+    return filter_top_p(filter_top_k(logits / cfg.temperature, cfg.top_k), cfg.top_p)
 
 
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    prompt_ids: list[int],
-    cfg: SamplingConfig,
-    *,
-    max_context: int,
-    stop_id: int | None = None,
-    device: torch.device | str = "cpu",
-) -> list[int]:
-    """The new token ids after ``prompt_ids`` (not including the prompt), stopping early at ``stop_id``.
-
-    ``max_context`` is the longest sequence the model was built for (its RoPE table); older tokens
-    are cropped from the left once the text grows past it.
-    """
-    cfg.check()
-    if not prompt_ids:
-        raise ValueError("the prompt is empty; it needs at least one token (e.g. BOS)")
-    # The generator lives on the sampling device so a seed gives the same text on every run there.
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    new_ids: list[int] = []
-    for _ in range(cfg.max_new_tokens):
-        logits = model(tokens[:, -max_context:])[:, -1, :]
-        chosen = next_token(logits, cfg, generator)
-        token_id = int(chosen.item())
-        if token_id == stop_id:
-            break
-        new_ids.append(token_id)
-        tokens = torch.cat([tokens, chosen], dim=1)
-    return new_ids
+def choose(logits: torch.Tensor, cfg: SamplingConfig,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids (batch,), their log-probabilities (batch,), float32) for logits (batch, vocab)."""
+    processed = processed_logits(logits, cfg)
+    log_probs = processed.log_softmax(dim=-1)
+    if cfg.temperature == 0:
+        tokens = processed.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

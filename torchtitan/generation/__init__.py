@@ -1,0 +1,10 @@
+"""Generating text from our models: the engine (engine.py) with a cache for every kind of token mixer (caches.py),
+the sampling rules (sampling.py), and the cache-free reference path (reference.py)."""
+
+from torchtitan.generation.caches import LayerCache, register_cache
+from torchtitan.generation.engine import Completion, GenerationEngine
+from torchtitan.generation.reference import generate_without_cache
+from torchtitan.generation.sampling import SamplingConfig, choose, filter_top_k, filter_top_p, processed_logits
+
+__all__ = ["Completion", "GenerationEngine", "LayerCache", "SamplingConfig", "choose", "filter_top_k", "filter_top_p",
+           "generate_without_cache", "processed_logits", "register_cache"]
