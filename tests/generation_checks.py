@@ -46,3 +46,20 @@ def assert_engine_matches_full_forward(model, prompts: list[list[int]], new_toke
                     f"row {row} step {step}: engine chose {token}, the no-cache path {reference} (gap {gap})")
                 near_ties += 1
     return {"max_logit_difference": worst, "near_ties": near_ties}
+
+
+# Four prompts of different lengths; the longest crosses three of the Gated DeltaNet kernel's 64-token chunks, and
+# 64 new tokens run gpt-oss's 16-token windows round their ring four times.
+PROMPT_LENGTHS = [5, 37, 130, 200]
+# The trained checkpoints of the suite matrix are saved at their last step (model only) by these flags.
+SAVE_LAST_STEP = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
+
+
+def assert_trained_checkpoint_generates_as_the_no_cache_path(config: str, step_folder) -> None:
+    """The check on a checkpoint trained by the suite matrix: greedy, 4 prompts, 64 new tokens (fp32)."""
+    from torchtitan.inference import load_model
+
+    assert step_folder.is_dir(), f"{step_folder} was not saved"
+    model = load_model(config, str(step_folder), overrides=["--training.seq_len", "512"])
+    figures = assert_engine_matches_full_forward(model, random_prompts(model.args.vocab_size, PROMPT_LENGTHS), 64)
+    print(f"\n{config} at {step_folder.name}: {figures}")

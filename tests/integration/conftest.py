@@ -4,6 +4,7 @@ import importlib
 
 import pytest
 
+from tests.generation_checks import SAVE_LAST_STEP
 from tests.integration.parity import (
     DEBUG_LAYOUT_MODULES,
     MANY_PROCESS_LAYOUTS,
@@ -30,7 +31,8 @@ def suite_runs(request, debug_folder):
     single-process reference (parity.COMMON flags), and the other modules' matrices."""
     collected = {item.module.__name__.rsplit(".", 1)[-1] for item in request.session.items if item.module}
     folder = debug_folder
-    debug = {"reference": (1, ["--training.local_batch_size", "8"])}
+    # The reference saves its last step, which the generation engine is checked on (test_distributed.py).
+    debug = {"reference": (1, ["--training.local_batch_size", "8", *SAVE_LAST_STEP])}
     for name in DEBUG_LAYOUT_MODULES:
         if name in collected:
             module = importlib.import_module(f"tests.integration.{name}")

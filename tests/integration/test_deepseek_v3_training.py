@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.generation_checks import SAVE_LAST_STEP
+from tests.generation_checks import assert_trained_checkpoint_generates_as_the_no_cache_path as assert_generates
 from tests.integration.parity import Matrix, assert_same_steps, embedding_copies, rows_of, runs_under
 
 CONFIG = "train_configs/deepseek_v3_debug.toml"
@@ -35,8 +37,9 @@ LAYOUTS = {
 REFERENCE = {"qlora_tp2": "single_qlora"}
 
 
+# The last step's model is saved: the generation engine is checked on it.
 LONG = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps", "10",
-        "--metrics.log_freq", "1"]
+        "--metrics.log_freq", "1", *SAVE_LAST_STEP]
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
@@ -109,3 +112,9 @@ def test_200_steps_learn_with_even_experts(suite_runs):
     print(f"\nnext-token loss drop {drop:.3f} nats, MTP loss drop {mtp_drop:.3f} nats, busiest/mean expert load "
           f"over the last 20 steps {balance:.3f}")
     assert drop >= 1.0 and balance <= 1.5 and mtp_drop > 0.5
+
+
+@pytest.mark.slow
+def test_the_trained_model_generates_as_the_no_cache_path(suite_runs):
+    assert len(rows_of(suite_runs[1], "ds200_long")) == 200
+    assert_generates(CONFIG, suite_runs[0] / "ds200_long" / "checkpoint" / "step-200")

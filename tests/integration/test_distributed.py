@@ -6,7 +6,8 @@ DDP and HSDP are covered, with gradient accumulation, by test_gradient_sync.py.
 
 import pytest
 
-from tests.integration.parity import assert_matches, rows_of
+from tests.generation_checks import assert_trained_checkpoint_generates_as_the_no_cache_path
+from tests.integration.parity import STEPS, CONFIG, assert_matches, rows_of
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
@@ -66,3 +67,10 @@ def test_validation_loss_is_the_same_under_tp_pp_and_cp(debug_runs):
         for ours, ref in zip(rows, expected):
             assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-4), name
             assert ours["val_tokens"] == ref["val_tokens"], name
+
+
+@pytest.mark.slow
+def test_the_trained_reference_generates_as_the_no_cache_path(debug_folder, reference):
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    assert_trained_checkpoint_generates_as_the_no_cache_path(CONFIG, debug_folder / "reference" / "checkpoint" /
+                                                              f"step-{STEPS}")

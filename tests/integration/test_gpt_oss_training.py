@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from tests.generation_checks import SAVE_LAST_STEP
+from tests.generation_checks import assert_trained_checkpoint_generates_as_the_no_cache_path as assert_generates
 from tests.integration.parity import Matrix, assert_same_steps, rows_of, runs_under
 from tests.integration.test_document_masking_training import block_causal_flags
 
@@ -22,7 +24,8 @@ LAYOUTS = {
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
     "ep2_tp2": (4, ["--training.local_batch_size", "4", *EP2, *TP2]),
 }
-LONG = ["--training.steps", "200", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1"]
+# The last step's model is saved: the generation engine is checked on it.
+LONG = ["--training.steps", "200", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1", *SAVE_LAST_STEP]
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
@@ -54,3 +57,9 @@ def test_200_steps_learn(suite_runs):
     print(f"\ngpt_oss_debug: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} (drop {drop:.3f} nats, mean of "
           "the last 20 steps)")
     assert drop >= 1.0
+
+
+@pytest.mark.slow
+def test_the_trained_model_generates_as_the_no_cache_path(suite_runs):
+    assert len(rows_of(suite_runs[1], "go200_long")) == 200
+    assert_generates(CONFIG, suite_runs[0] / "go200_long" / "checkpoint" / "step-200")

@@ -14,6 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
+from tests.generation_checks import SAVE_LAST_STEP
+from tests.generation_checks import assert_trained_checkpoint_generates_as_the_no_cache_path as assert_generates
 from tests.integration.parity import Matrix, assert_same_steps, rows_of
 from torchtitan.inference import load_model
 
@@ -57,8 +59,9 @@ def _transformers_checkpoint(folder):
 
 
 # The preset as shipped (batch 8 x 256), 200 steps with a 10-step warmup, in fp32.
+# The last step's model is saved: the generation engine is checked on it.
 BALANCE = ["--training.mixed_precision_param", "float32", "--training.steps", "200", "--lr_scheduler.warmup_steps",
-           "10", "--metrics.log_freq", "1"]
+           "10", "--metrics.log_freq", "1", *SAVE_LAST_STEP]
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
@@ -246,3 +249,9 @@ def test_aux_loss_under_gradient_accumulation_equals_one_large_batch(tmp_path):
     torch.testing.assert_close(small_gate.grad, big_gate.grad, rtol=1e-5, atol=1e-8)
     aux = [t.expert_loads.aux_loss.item() for t in (big, small)]
     assert aux[0] > 0 and aux[1] == pytest.approx(aux[0], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_trained_model_generates_as_the_no_cache_path(suite_runs):
+    assert len(rows_of(suite_runs[1], "moe200_balanced")) == 200
+    assert_generates(CONFIG, suite_runs[0] / "moe200_balanced" / "checkpoint" / "step-200")

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from tests.conftest import run_module
+from tests.generation_checks import SAVE_LAST_STEP, assert_trained_checkpoint_generates_as_the_no_cache_path
 from tests.integration.parity import STEPS, Matrix, assert_matches, read_rows, rows_of, runs_under
 from torchtitan.inference import load_model
 
@@ -62,7 +63,8 @@ COMMON = [*FP32, "--training.seq_len", "128", "--training.steps", str(STEPS), "-
           "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
 TIED = ["--experimental.custom_import", "tests.integration.tied_qwen3", "--model.name", "qwen3_tied"]
 RUNS = {
-    "single": (1, ["--training.local_batch_size", "8"]),
+    # Its last step is saved for the generation engine's check.
+    "single": (1, ["--training.local_batch_size", "8", *SAVE_LAST_STEP]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
     # TP also checks the QK-norm weights: each rank normalises only its heads, so their gradients must be summed.
     "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
@@ -94,3 +96,11 @@ def test_layout_matches_single_process(qwen3_runs, layout):
 @pytest.mark.parametrize("layout", ["tied_fsdp2", "tied_pp2"])
 def test_tied_embeddings_match_single_process(qwen3_runs, layout):
     assert_matches(rows_of(qwen3_runs, layout), rows_of(qwen3_runs, "tied_single"))
+
+
+@pytest.mark.slow
+def test_the_trained_model_generates_as_the_no_cache_path(debug_folder, qwen3_runs):
+    rows = rows_of(qwen3_runs, "single")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert_trained_checkpoint_generates_as_the_no_cache_path(CONFIG, debug_folder / "qwen3_single" / "checkpoint" /
+                                                              f"step-{STEPS}")

@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from tests.generation_checks import SAVE_LAST_STEP
+from tests.generation_checks import assert_trained_checkpoint_generates_as_the_no_cache_path as assert_generates
 from tests.integration.parity import Matrix, assert_same_steps, rows_of, runs_under
 from tests.integration.test_document_masking_training import CHECKS, block_causal_flags, results
 
@@ -31,7 +33,8 @@ LAYOUTS = {
     "independence_cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"],
                          f"{CHECKS}:independence"),
 }
-LONG = ["--training.steps", "200", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1"]
+# The last step's model is saved: the generation engine is checked on it.
+LONG = ["--training.steps", "200", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1", *SAVE_LAST_STEP]
 
 
 def suite_matrices(folder) -> dict[str, Matrix]:
@@ -116,3 +119,9 @@ def test_the_matrix_data_has_documents_across_every_cp4_cut(tmp_path):
     assert (ids[:, -1] >= 2).all()
     for cut in range(8, 64, 8):
         assert (ids[:, cut - 1] == ids[:, cut]).any(), cut
+
+
+@pytest.mark.slow
+def test_the_trained_model_generates_as_the_no_cache_path(suite_runs):
+    assert len(rows_of(suite_runs[1], "qn200_long")) == 200
+    assert_generates(CONFIG, suite_runs[0] / "qn200_long" / "checkpoint" / "step-200")

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from tests.generation_checks import assert_engine_matches_full_forward, random_prompts
+from tests.generation_checks import PROMPT_LENGTHS, assert_engine_matches_full_forward, random_prompts
 from torchtitan.generation import GenerationEngine, SamplingConfig, processed_logits
 from torchtitan.inference import load_model
 from torchtitan.models.shared.moe import MoE
@@ -22,9 +22,6 @@ CONFIGS = {
     "gpt_oss": "train_configs/gpt_oss_debug.toml",
     "qwen3_next": "train_configs/qwen3_next_debug.toml",
 }
-# Four prompts of different lengths; the longest crosses three of the Gated DeltaNet kernel's 64-token chunks, and
-# 64 new tokens run gpt-oss's 16-token windows round their ring four times.
-LENGTHS = [5, 37, 130, 200]
 
 
 @functools.cache
@@ -35,7 +32,7 @@ def model_of(family: str, seed: int = 0, seq_len: int = 512):
 @pytest.mark.parametrize("family", CONFIGS)
 def test_greedy_generation_is_the_no_cache_path(family):
     model = model_of(family)
-    figures = assert_engine_matches_full_forward(model, random_prompts(model.args.vocab_size, LENGTHS), 64)
+    figures = assert_engine_matches_full_forward(model, random_prompts(model.args.vocab_size, PROMPT_LENGTHS), 64)
     print(f"\n{family}: {figures}")
 
 
@@ -44,7 +41,7 @@ def test_greedy_generation_is_the_no_cache_path(family):
 def test_prefill_in_chunks_is_the_same(family, chunk):
     """Chunks shorter than the window and longer, across the ring's and the recurrence's boundaries."""
     model = model_of(family)
-    assert_engine_matches_full_forward(model, random_prompts(model.args.vocab_size, LENGTHS, seed=1), 16,
+    assert_engine_matches_full_forward(model, random_prompts(model.args.vocab_size, PROMPT_LENGTHS, seed=1), 16,
                                        prefill_chunk=chunk)
 
 
