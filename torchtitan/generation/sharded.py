@@ -31,29 +31,29 @@ from torchtitan.protocols.train_spec import build_model_args, model_config_probl
 
 
 def layout_problems(cfg: JobConfig, world_size: int, model_args=None) -> list[tuple[str, str]]:
-    """The first problem (full config key, reason) with ``cfg.parallelism`` for generation on ``world_size``
-    ranks, or []; ``model_args`` (the finalized args) lets expert parallelism be checked against the model."""
+    """The first problem (full config key, reason to put after "key = value") with ``cfg.parallelism`` for
+    generation on ``world_size`` ranks, or []; ``model_args`` (the finalized args) lets expert parallelism be
+    checked against the model."""
     p = cfg.parallelism
-    every_rank = "every rank runs the same batch in generation"
+    same_batch = "every rank runs the same batch in generation"
     if p.pipeline_parallel_degree != 1:
-        return [("parallelism.pipeline_parallel_degree", f"is {p.pipeline_parallel_degree}, but generation runs "
-                 "every block on every rank; use 1")]
+        return [("parallelism.pipeline_parallel_degree", "is invalid: generation runs every block on every rank; "
+                 "use 1")]
     if p.context_parallel_degree != 1:
-        return [("parallelism.context_parallel_degree", f"is {p.context_parallel_degree}, but the generation "
-                 "caches hold whole sequences on every rank; use 1")]
+        return [("parallelism.context_parallel_degree", "is invalid: the generation caches hold whole sequences on "
+                 "every rank; use 1")]
     if p.data_parallel_replicate_degree != 1:
-        return [("parallelism.data_parallel_replicate_degree", f"is {p.data_parallel_replicate_degree}, but "
-                 f"{every_rank}; use 1")]
+        return [("parallelism.data_parallel_replicate_degree", f"is invalid: {same_batch}; use 1")]
     if p.tensor_parallel_degree < 1 or p.expert_parallel_degree < 1:
         return [("parallelism.tensor_parallel_degree" if p.tensor_parallel_degree < 1 else
                  "parallelism.expert_parallel_degree", "is invalid; it must be >= 1")]
-    ranks = p.tensor_parallel_degree * p.expert_parallel_degree
     if p.data_parallel_shard_degree not in (-1, p.expert_parallel_degree):
-        return [("parallelism.data_parallel_shard_degree", f"is {p.data_parallel_shard_degree}, but {every_rank}: "
-                 f"use -1 (or expert_parallel_degree = {p.expert_parallel_degree}, the ranks it is carved from)")]
+        return [("parallelism.data_parallel_shard_degree", f"is invalid: {same_batch}; use -1 (or "
+                 f"expert_parallel_degree = {p.expert_parallel_degree}, the ranks expert parallelism is carved from)")]
+    ranks = p.tensor_parallel_degree * p.expert_parallel_degree
     if world_size != ranks:
-        return [("parallelism.tensor_parallel_degree", f"x expert_parallel_degree = {p.tensor_parallel_degree} x "
-                 f"{p.expert_parallel_degree} = {ranks} must be the world size {world_size}, since {every_rank}")]
+        return [("parallelism.tensor_parallel_degree", f"times expert_parallel_degree = {p.expert_parallel_degree} "
+                 f"is {ranks}, but the world size is {world_size}: they must be equal, since {same_batch}")]
     if model_args is not None and p.expert_parallel_degree > 1:
         return [(key, reason) for key, reason in moe_problems(cfg.moe, model_args, p.expert_parallel_degree,
                                                               cfg.checkpoint, hf_has_expert_bias=True)
@@ -61,19 +61,27 @@ def layout_problems(cfg: JobConfig, world_size: int, model_args=None) -> list[tu
     return []
 
 
-def build_sharded_model(cfg: JobConfig) -> nn.Module:
-    """The config's model in eval mode, tensor/expert parallel as ``cfg.parallelism`` says over this torchrun
-    world (joined here if it is not yet), materialised on this rank's device and initialised from debug.seed;
-    ValueError (one line) for a layout generation cannot run. On one process: the plain model."""
-    world_size = device_lib.world_size()
+def checked_model_args(cfg: JobConfig, world_size: int):
+    """(train spec, finalized model args without multi-token prediction) of the config's model, for generation on
+    ``world_size`` ranks; ValueError (one line) for a model or layout generation cannot run."""
     problems, spec, _ = model_config_problems(cfg.model, cfg.training.seq_len, cfg.parallelism)
+    args = None
     if not problems:
         args = build_model_args(spec, cfg.model, spec.build_tokenizer_fn(cfg.model.hf_assets_path).vocab_size,
                                 cfg.training.seq_len, mtp=False)
         problems = layout_problems(cfg, world_size, args)
     if problems:
         key, reason = problems[0]
-        raise ValueError(f"{key} {reason}")
+        raise ValueError(f"{key} = {getattr(cfg.parallelism, key.removeprefix('parallelism.'))} {reason}")
+    return spec, args
+
+
+def build_sharded_model(cfg: JobConfig) -> nn.Module:
+    """The config's model in eval mode, tensor/expert parallel as ``cfg.parallelism`` says over this torchrun
+    world (joined here if it is not yet), materialised on this rank's device and initialised from debug.seed;
+    ValueError (one line) for a layout generation cannot run, before joining. On one process: the plain model."""
+    world_size = device_lib.world_size()
+    spec, args = checked_model_args(cfg, world_size)
     device = device_lib.init_distributed(cfg.comm.init_timeout_seconds)
     dims = dataclasses.replace(ParallelDims.from_config(cfg.parallelism, world_size), data_parallel=False)
     dims.build_mesh(device.type)
