@@ -18,9 +18,12 @@ How a batch runs (caches.py has what each layer keeps):
   tokens the way the old path cropped its context from the left, so a row's prompt plus new tokens stop at
   max_seq_len (finish_reason "length"); a prompt of max_seq_len tokens or more is refused.
 
-The model may be tensor (and expert) parallel under torchrun: every rank runs the same batch; the chosen tokens are
-broadcast from rank 0 so the ranks never diverge. ``load_weights`` replaces the weights in place (RL's policy
-update). MoE layers route every token as in training (dropless); their load statistics are left as training had them.
+The model may be tensor (and expert) parallel under torchrun (sharded.py builds one from a config): every rank runs
+the same batch; the chosen tokens are broadcast from rank 0 so the ranks never diverge. Under tensor parallelism the
+hidden states between blocks are sequence shards, which torch's layouts split evenly: each forward is padded to a
+multiple of the TP degree (caches.py), and the head gets the last real position, gathered. ``load_weights``
+replaces the weights in place (RL's policy update). MoE layers route every token as in training (dropless); their
+load statistics are left as training had them.
 """
 
 from collections.abc import Callable, Mapping, Sequence
