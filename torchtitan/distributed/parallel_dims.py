@@ -30,6 +30,9 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    data_parallel: bool = True
+    """False where every rank runs the same batch (generation): no FSDP wraps the model, and the dp_shard ranks
+    only carry expert parallelism."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -102,7 +105,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.fsdp_degree > 1
+        return self.data_parallel and self.fsdp_degree > 1
 
     @property
     def dp_replicate_enabled(self) -> bool:

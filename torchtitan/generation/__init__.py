@@ -1,5 +1,6 @@
 """Generating text from our models: the engine (engine.py) with a cache for every kind of token mixer (caches.py),
-the sampling rules (sampling.py), and the cache-free reference path (reference.py)."""
+the sampling rules (sampling.py), the cache-free reference path (reference.py), and a tensor-/expert-parallel model
+for the engine under torchrun (sharded.py, imported on its own: it pulls in the parallelisms)."""
 
 from torchtitan.generation.caches import LayerCache, register_cache
 from torchtitan.generation.engine import Completion, GenerationEngine

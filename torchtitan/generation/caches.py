@@ -4,6 +4,9 @@ A batch of prompts is left-padded to its longest: token t of every row sits at t
 start at slot ``starts[b]`` (its RoPE positions are slot - start). Pad tokens form a document of their own, so no
 real token attends to one or takes state from one, exactly as document masking keeps packed documents apart in
 training. Each forward of the engine (a prefill chunk, or one decode step) covers the slots [slot0, slot0 + length).
+Under sequence parallelism the engine pads a forward to a multiple of the tensor-parallel degree with ``padding``
+positions after its tokens (torch's sequence-parallel layouts split the positions evenly over the ranks): a cache
+neither stores nor attends from them, and gives them zeros (``DecodeStep.trim`` and ``pad``).
 
 A cache installs itself into its layer by swapping the functions the layer already calls through attributes (the
 seams context parallelism uses too): ``attention_fn`` of an attention layer, ``latent_fn`` and ``attention_fn`` of
@@ -46,12 +49,24 @@ class DecodeStep:
     def __init__(self, starts: torch.Tensor, capacity: int):
         self.starts = starts  # (B,) long
         self.capacity = capacity  # slots a row may fill: the longest prompt plus the most new tokens
-        self.slot0, self.length = 0, 0
+        self.slot0, self.length, self.padding = 0, 0, 0
         self._masks: dict[tuple, torch.Tensor] = {}
 
-    def advance(self, slot0: int, length: int) -> None:
-        self.slot0, self.length = slot0, length
+    def advance(self, slot0: int, length: int, padding: int = 0) -> None:
+        self.slot0, self.length, self.padding = slot0, length, padding
         self._masks.clear()
+
+    def trim(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This forward's tokens of ``t`` along ``dim`` (the positions), without the padding after them."""
+        return t.narrow(dim, 0, self.length) if self.padding else t
+
+    def pad(self, out: torch.Tensor, dim: int) -> torch.Tensor:
+        """``out`` for this forward's tokens, with zeros for the padding positions after them."""
+        if not self.padding:
+            return out
+        shape = list(out.shape)
+        shape[dim] = self.padding
+        return torch.cat([out, out.new_zeros(shape)], dim=dim)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows go on (the others finished)."""
@@ -154,6 +169,7 @@ class KeyValueCache(LayerCache):
 
     def attend(self, q, k, v, documents=None, scale=None, window=None, sinks=None):
         step = self.step
+        q, k, v = (step.trim(t, 2) for t in (q, k, v))
         if self.k is None:
             size = step.capacity if self.window is None else min(self.window, step.capacity)
             # Zeros, not empty: a ring's unused entries are masked, but a masked NaN would still poison the sum.
@@ -173,8 +189,8 @@ class KeyValueCache(LayerCache):
             self.k[:, :, newest % size], self.v[:, :, newest % size] = k[:, :, -size:], v[:, :, -size:]
             self.ring_slots = self.ring_slots.clone()
             self.ring_slots[newest % size] = newest
-        return attend_cached(q, keys, values, step.key_mask(key_slots, window, ring=self.window is not None), scale,
-                             sinks)
+        return step.pad(attend_cached(q, keys, values, step.key_mask(key_slots, window, ring=self.window is not None),
+                                      scale, sinks), 2)
 
 
 class LatentCache(LayerCache):
@@ -194,6 +210,7 @@ class LatentCache(LayerCache):
 
     def remember(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = self.step
+        latent, k_rope = step.trim(latent, 1), step.trim(k_rope, 1)
         if self.latent is None:
             self.latent = latent.new_empty(latent.shape[0], step.capacity, latent.shape[-1])
             self.k_rope = k_rope.new_empty(k_rope.shape[0], step.capacity, *k_rope.shape[2:])
@@ -203,7 +220,8 @@ class LatentCache(LayerCache):
         return self.latent[:, :end], self.k_rope[:, :end]
 
     def attend(self, q, k, v, documents=None, scale=None, window=None, sinks=None):
-        return attend_cached(q, k, v, self.step.key_mask(self.key_slots, window), scale, sinks)
+        step = self.step
+        return step.pad(attend_cached(step.trim(q, 2), k, v, step.key_mask(self.key_slots, window), scale, sinks), 2)
 
 
 class RecurrentCache(LayerCache):
@@ -224,6 +242,7 @@ class RecurrentCache(LayerCache):
         return state + (kernel - 1) * (channels * dtype.itemsize + 8)  # the taps and their document ids
 
     def convolve(self, x: torch.Tensor, weight: torch.Tensor, documents=None) -> torch.Tensor:
+        x = self.step.trim(x, 1)
         ids = self.step.real(self.step.slots).long()
         if self.history is None:
             self.history = x.new_zeros(x.shape[0], weight.shape[-1] - 1, x.shape[-1])
@@ -233,14 +252,16 @@ class RecurrentCache(LayerCache):
         if taps:
             self.history = torch.cat([self.history, x], dim=1)[:, -taps:]
             self.history_ids = torch.cat([self.history_ids, ids], dim=1)[:, -taps:]
-        return out
+        return self.step.pad(out, 1)
 
     def recur(self, q, k, v, g, beta, documents=None):
+        step = self.step
+        q, k, v, g, beta = (step.trim(t, 1) for t in (q, k, v, g, beta))
         if q.shape[1] == 1 and self.state is not None:  # a decode step (real tokens only: no reset)
             out, self.state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], self.state)
-            return out[:, None].to(v.dtype), self.state
-        out, self.state = recurrence_kernel(q.device)(q, k, v, g, beta, self.step.resets(), self.state)
-        return out, self.state
+            return step.pad(out[:, None].to(v.dtype), 1), self.state
+        out, self.state = recurrence_kernel(q.device)(q, k, v, g, beta, step.resets(), self.state)
+        return step.pad(out, 1), self.state
 
 
 # The cache of each kind of token mixer, by the mixer's class (the nearest registered base class counts).

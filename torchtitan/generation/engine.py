@@ -18,9 +18,12 @@ How a batch runs (caches.py has what each layer keeps):
   tokens the way the old path cropped its context from the left, so a row's prompt plus new tokens stop at
   max_seq_len (finish_reason "length"); a prompt of max_seq_len tokens or more is refused.
 
-The model may be tensor (and expert) parallel under torchrun: every rank runs the same batch; the chosen tokens are
-broadcast from rank 0 so the ranks never diverge. ``load_weights`` replaces the weights in place (RL's policy
-update). MoE layers route every token as in training (dropless); their load statistics are left as training had them.
+The model may be tensor (and expert) parallel under torchrun (sharded.py builds one from a config): every rank runs
+the same batch; the chosen tokens are broadcast from rank 0 so the ranks never diverge. Under tensor parallelism the
+hidden states between blocks are sequence shards, which torch's layouts split evenly: each forward is padded to a
+multiple of the TP degree (caches.py), and the head gets the last real position, gathered. ``load_weights``
+replaces the weights in place (RL's policy update). MoE layers route every token as in training (dropless); their
+load statistics are left as training had them.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan.generation.caches import DecodeStep, cache_bytes_per_row, installed, mixers
 from torchtitan.generation.sampling import SamplingConfig, choose
@@ -67,9 +71,8 @@ class GenerationEngine:
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
-        # Sequence-parallel layouts shard the hidden states along the sequence: the head then runs on every
-        # position of the last chunk, not the last position alone.
-        self._sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        self._tp_mesh = _tensor_parallel_mesh(model)
+        self._tp = self._tp_mesh.size() if self._tp_mesh is not None else 1
         self.group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
 
     def cache_bytes(self, rows: int, length: int) -> int:
@@ -190,9 +193,20 @@ class GenerationEngine:
 
     def _forward(self, step: DecodeStep, tokens: torch.Tensor, slot0: int) -> torch.Tensor:
         """The logits (rows, vocab) after these tokens, which sit at slots slot0, slot0 + 1, ..."""
-        step.advance(slot0, tokens.shape[1])
-        h = self.model.run_blocks(tokens, None, step.positions())
-        logits = self.model.head(h if self._sharded else h[:, -1:])
+        length = tokens.shape[1]
+        # Sequence parallelism splits the positions evenly over the TP ranks (a decode step has one): pad with
+        # copies of the last token, which the caches neither store nor attend from (caches.py).
+        padding = -length % self._tp
+        step.advance(slot0, length, padding)
+        positions = step.positions()
+        if padding:
+            tokens, positions = (torch.cat([t, t[:, -1:].expand(-1, padding)], dim=1) for t in (tokens, positions))
+        h = self.model.run_blocks(tokens, None, positions)
+        if self._tp_mesh is not None:
+            # Each rank holds a slice of the positions: gather them, so that every rank hands the head the same
+            # last position (the head's plan, reading its input as sequence shards, sees tp copies of it).
+            h = DTensor.from_local(h, self._tp_mesh, [Shard(1)], run_check=False).full_tensor()
+        logits = self.model.head(h[:, length - 1:length])
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return logits[:, -1]
@@ -238,6 +252,17 @@ class GenerationEngine:
                 raise ValueError(f"load_weights: {name} has shape {tuple(source.shape)}; the model's is "
                                  f"{tuple(target.shape)}")
             target.copy_(source)
+
+
+def _tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The TP mesh when the model is tensor parallel (its embedding sharded over a "tp" mesh dimension, as
+    distributed/parallel_dims.py names it), else None; the hidden states between its blocks are then sequence
+    shards."""
+    weight = getattr(getattr(model, "tok_embeddings", None), "weight", None)
+    if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+        return None
+    mesh = weight.device_mesh
+    return mesh if mesh.ndim == 1 else mesh["tp"]
 
 
 def _cut(text: str, stop_strings: Sequence[str]) -> str:
