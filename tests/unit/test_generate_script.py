@@ -50,15 +50,23 @@ def test_one_prompt_prints_what_the_reference_path_generates(prompt, model_and_t
     assert f"[{len(new)} new tokens]" in err
 
 
+@pytest.fixture(scope="module")
+def alone():
+    """Each prompt's greedy text, generated on its own."""
+    return {}
+
+
 @pytest.mark.parametrize("extra", [[], ["--prefill_chunk", "3", "--cache_budget_bytes", "40000"]])
-def test_a_batch_of_prompts_prints_what_each_gives_alone(extra, model_and_tokenizer, capsys):
+def test_a_batch_of_prompts_prints_what_each_gives_alone(extra, alone, model_and_tokenizer, capsys):
     """Greedy: the batch (left-padded; with the second flags also prefilled 3 tokens at a time and split into groups
     by the cache budget) equals each prompt on its own, in the order given."""
     model, tokenizer = model_and_tokenizer
     flags = ["--temperature", "0", "--max_new_tokens", "12", "--no_stop_at_eos"]
-    alone = [generate(capsys, "--prompt", prompt, *flags)[0][0] for prompt in PROMPTS]
+    for prompt in PROMPTS:
+        if prompt not in alone:
+            alone[prompt] = generate(capsys, "--prompt", prompt, *flags)[0][0]
     together, err = generate(capsys, *prompt_flags(*PROMPTS), *flags, *extra)
-    assert together == alone
+    assert together == [alone[prompt] for prompt in PROMPTS]
     assert [line for line in err.splitlines() if "new tokens" in line] == \
         [f"[prompt {i} of 3: 12 new tokens]" for i in (1, 2, 3)]
     if extra:  # the budget holds one or two rows of this length, not three: the batch really was split
@@ -76,18 +84,21 @@ def test_prompts_file_lines_follow_the_prompt_flags(tmp_path, capsys):
     assert len(got) == 1 + len(lines) and got == want
 
 
-@pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_stop_strings_cut_the_text_before_the_first_one(prompt, capsys):
-    flags = ["--temperature", "0", "--max_new_tokens", "20", "--no_stop_at_eos"]
-    (full,), _ = generate(capsys, "--prompt", prompt, *flags)
-    new = full[len(prompt):]
-    # Two stop strings from the generated text: the text ends before whichever comes first.
-    words = re.findall(r"[A-Za-z]{3,}", new)
-    assert len(words) >= 2, new
-    stops = [words[-1], words[len(words) // 2]]
-    (cut,), _ = generate(capsys, "--prompt", prompt, *flags, "--stop", stops[0], "--stop", stops[1])
-    assert cut == prompt + new[:min(new.index(s) for s in stops)]
-    assert len(cut) < len(full)
+def test_stop_strings_cut_the_text_before_the_first_one(capsys):
+    """Two prompts in a batch, each with two stop strings from its own greedy text: each text ends before whichever
+    of the four comes first in it."""
+    flags = ["--temperature", "0", "--max_new_tokens", "20", "--no_stop_at_eos", *prompt_flags(*PROMPTS[:2])]
+    full, _ = generate(capsys, *flags)
+    new = [text[len(prompt):] for prompt, text in zip(PROMPTS, full)]
+    stops = []
+    for text in new:
+        words = re.findall(r"[A-Za-z]{3,}", text)
+        assert len(words) >= 2, text
+        stops += [words[-1], words[len(words) // 2]]
+    cut, _ = generate(capsys, *flags, *(flag for stop in stops for flag in ("--stop", stop)))
+    for prompt, text, got in zip(PROMPTS, new, cut):
+        assert got == prompt + text[:min(text.index(s) for s in stops if s in text)]
+        assert len(got) < len(prompt + text)
 
 
 def test_logprobs_are_the_models_own(model_and_tokenizer, capsys):
