@@ -30,7 +30,7 @@ def generate(capsys, *flags: str) -> tuple[list[str], str]:
     code = generate_script.main(["--config", CONFIG, "--device", "cpu", *flags])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    sections = re.split(r"^=== prompt \d+ of \d+ ===\n", captured.out, flags=re.M)
+    sections = re.split(r"^=== prompt \d+ of \d+ ===\n", captured.out, flags=re.MULTILINE)
     texts = sections[1:] if len(sections) > 1 else sections
     return [text.removesuffix("\n") for text in texts], captured.err
 

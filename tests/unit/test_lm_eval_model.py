@@ -1,5 +1,6 @@
-"""TitanLM (torchtitan/components/evaluation/lm_eval_model.py) on hand-made requests: generation's stop strings and length limit, and
-log-likelihoods equal to a plain forward's."""
+"""TitanLM (torchtitan/components/evaluation/lm_eval_model.py) on hand-made requests: generation's stop strings,
+length limit and cropping, its batches through the generation engine equal to the old one-request-at-a-time loop,
+sampling after the gen_kwargs; log-likelihoods equal to a plain forward's."""
 
 import functools
 import re
@@ -125,9 +126,9 @@ def count_engine_batches(monkeypatch) -> list[int]:
 def test_greedy_generation_in_batches_equals_the_one_at_a_time_loop(tiny_model, tokenizer, monkeypatch):
     """Requests of different lengths (one cropped from the left), different stop strings and max_gen_toks: one engine
     batch per set of gen_kwargs, and each output that of the one-at-a-time loop, in request order."""
-    gen = [dict(until=stop_words(tiny_model, tokenizer, CONTEXTS[0], 12)[:1], max_gen_toks=12),
-           dict(until=["\n\n"], max_gen_toks=12),
-           dict(until=stop_words(tiny_model, tokenizer, CONTEXTS[4], 40), max_gen_toks=40, do_sample=False)]
+    gen = [{"until": stop_words(tiny_model, tokenizer, CONTEXTS[0], 12)[:1], "max_gen_toks": 12},
+           {"until": ["\n\n"], "max_gen_toks": 12},
+           {"until": stop_words(tiny_model, tokenizer, CONTEXTS[4], 40), "max_gen_toks": 40, "do_sample": False}]
     chosen = [(0, 1), (1, 0), (2, 1), (3, 1), (4, 2), (0, 2), (3, 0), (4, 0), (1, 1)]
     requests = [request(CONTEXTS[c], **gen[g]) for c, g in chosen]
     sizes = count_engine_batches(monkeypatch)
