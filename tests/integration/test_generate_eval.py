@@ -40,6 +40,11 @@ def test_generate_prints_new_text_and_greedy_is_deterministic(run):
     assert "[12 new tokens]" in first.stderr
     again = generate(run, "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "12", "--no_stop_at_eos")
     assert again.stdout == first.stdout, (first.stdout, again.stdout)
+    # In a batch with a longer prompt (left-padded beside it), the same text, printed in the prompts' order.
+    batch = generate(run, "--prompt", "import os\nimport sys\n", "--prompt", prompt, "--temperature", "0",
+                     "--max_new_tokens", "12", "--no_stop_at_eos")
+    assert batch.returncode == 0, batch.stderr
+    assert batch.stdout.split("=== prompt 2 of 2 ===\n")[1] == first.stdout
     sampled = generate(run, "--prompt", prompt, "--top_k", "20", "--top_p", "0.9", "--seed", "1",
                        "--max_new_tokens", "12", "--no_stop_at_eos")
     assert sampled.returncode == 0, sampled.stderr

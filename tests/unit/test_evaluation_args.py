@@ -107,7 +107,8 @@ def test_no_script_takes_a_number_without_its_range(name, monkeypatch):
 
 # Each script's numeric options (the test above also finds any new one left a plain int/float).
 NUMBERS = {"evaluate": ("limit", "num_fewshot", "batch_size"), "gpu_check": ("budget",),
-           "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed"),
+           "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "cache_budget_bytes",
+                        "prefill_chunk"),
            "plan": ("world_size", "efficiency", "vocab_size"), "tokenize_dataset": ("workers", "shard_tokens"),
            "train_tokenizer": ("vocab_size",),
            "generate_config": ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",

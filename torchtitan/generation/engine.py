@@ -56,7 +56,10 @@ class Completion:
 
 class GenerationEngine:
     def __init__(self, model: nn.Module, *, cache_budget_bytes: int | None = None, prefill_chunk: int = 256,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, per_rank: bool = False):
+        """``group``: the ranks that run the same batch, whose tokens are made to agree (default: every rank, under
+        torchrun); ``per_rank``: each rank generates its own prompts (a whole model per rank, e.g. data-parallel
+        evaluation), so nothing is agreed across ranks."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk = {prefill_chunk} is invalid; it must be >= 1")
         if cache_budget_bytes is not None and cache_budget_bytes < 1:
@@ -73,7 +76,9 @@ class GenerationEngine:
         self.dtype = first.dtype
         self._tp_mesh = _tensor_parallel_mesh(model)
         self._tp = self._tp_mesh.size() if self._tp_mesh is not None else 1
-        self.group = group if group is not None or not dist.is_initialized() else dist.group.WORLD
+        if per_rank and group is not None:
+            raise ValueError("per_rank = True generates on each rank alone; leave group out")
+        self.group = group if group is not None or per_rank or not dist.is_initialized() else dist.group.WORLD
 
     def cache_bytes(self, rows: int, length: int) -> int:
         """The caches' bytes for ``rows`` rows of ``length`` tokens (prompt + new) on this rank."""

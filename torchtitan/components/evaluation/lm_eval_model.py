@@ -3,9 +3,9 @@
 ``TitanLM`` is an lm-eval ``TemplateLM``: lm-eval splits each (context, continuation) pair into tokens the way it
 does for its own causal models (the context's trailing spaces move to the continuation; an empty context is
 preceded by BOS), and this class scores them in batches, rolls long texts through windows of the model's length,
-and generates until a stop string or the length limit. Under ``torchrun`` each data-parallel rank takes its
-share of the requests (lm-eval's evaluator splits and gathers them through ``rank``/``world_size`` and the
-collectives below).
+and generates until a stop string or the length limit (batched through the generation engine,
+torchtitan/generation/). Under ``torchrun`` each data-parallel rank takes its share of the requests (lm-eval's
+evaluator splits and gathers them through ``rank``/``world_size`` and the collectives below).
 
     results = run_tasks(model, tokenizer, ["pydocs_mc"], max_length=2048)
 
@@ -16,6 +16,7 @@ come from the Hub where the network allows).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.data.tokenizer import Tokenizer
+from torchtitan.generation import GenerationEngine, SamplingConfig
 
 TASKS_DIR = Path(__file__).parents[2] / "eval_tasks"
 BUILT_IN_TASKS = frozenset(path.stem for path in TASKS_DIR.glob("*.yaml"))
@@ -133,31 +135,37 @@ class TitanLM(_template_lm()):
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations (sampling when gen_kwargs ask for do_sample) cut before the first stop string,
-        at most ``max_gen_toks`` tokens (default 256); the end-of-text token also stops."""
-        outputs = []
-        for request in requests:
-            context, kwargs = request.args
-            kwargs = dict(kwargs)
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", 256))
-            sample = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
-            temperature = float(kwargs.pop("temperature", 1.0)) or 1.0
-            ids = self.tok_encode(context) or [self.prefix_token_id]
-            new: list[int] = []
-            text = ""
-            for _ in range(max_new):
-                last = self._logits([(ids + new)[-self.max_length:]])[0, -1]
-                token = (int(torch.multinomial((last / temperature).exp(), 1)) if sample else int(last.argmax()))
-                if token == self.tokenizer.eos_id:
-                    break
-                new.append(token)
-                text = self.tok_decode(new)
-                if any(stop in text for stop in until):
-                    break
-            cut = min([text.index(stop) for stop in until if stop in text], default=len(text))
-            outputs.append(text[:cut])
+        """Each request's continuation, cut before the first of its stop strings (``until``), at most
+        ``max_gen_toks`` tokens (default 256); the end-of-text token also stops. Greedy unless gen_kwargs say
+        ``do_sample`` with a temperature > 0: then sampled (after ``top_k``/``top_p`` if given; the seed is drawn
+        from torch's random stream, which lm-eval seeds). Requests with the same gen_kwargs run through the
+        generation engine as one batch, whose caches are held to what ``batch_size`` rows of ``max_length`` tokens
+        need (the engine splits a larger batch).
+
+        Each context keeps its last ``max_length - max_gen_toks`` tokens, as lm-eval's ``hf`` model crops them, but
+        never fewer than ``max_length // 2``: a cache cannot slide its window, so where ``max_gen_toks`` is more
+        than half of ``max_length`` (256 on a short-context model) a continuation stops where context and
+        continuation reach ``max_length``."""
+        groups: dict[tuple, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(_generation_kwargs(request.args[1]), []).append(i)
+        # Ranks that each score their own share run different batches; an FSDP-sharded model runs the same on all.
+        engine = GenerationEngine(self.model, per_rank=self._world_size > 1)
+        length = min(self.max_length, engine.max_seq_len)
+        engine.cache_budget_bytes = engine.cache_bytes(self.batch_size, length)
+        eos = self.tokenizer.eos_id
+        outputs: list[str | None] = [None] * len(requests)
+        for (until, max_new, temperature, top_k, top_p), indices in groups.items():
+            keep = length - min(max_new, length // 2)
+            prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-keep:] for i in indices]
+            seed = int(torch.randint(2**62, ())) if temperature > 0 else 0
+            sampling = SamplingConfig(max_new_tokens=max_new, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      seed=seed)
+            with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+                done = engine.generate(prompts, sampling, stop_token_ids=[eos], stop_strings=until,
+                                       decode=lambda ids: self.tok_decode(ids[:-1] if ids and ids[-1] == eos else ids))
+            for i, completion in zip(indices, done):
+                outputs[i] = completion.text
         return outputs
 
     # ----- collectives lm-eval's evaluator uses across data-parallel ranks -----
@@ -179,6 +187,27 @@ class TitanLM(_template_lm()):
     def barrier(self) -> None:
         if self._world_size > 1:
             dist.barrier()
+
+
+# The gen_kwargs generate_until reads; any other is refused rather than ignored.
+GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+
+
+def _generation_kwargs(kwargs: dict) -> tuple[tuple[str, ...], int, float, int, float]:
+    """(stop strings, max new tokens, temperature (0: greedy), top_k, top_p) of a request's gen_kwargs."""
+    unknown = sorted(set(kwargs) - set(GEN_KWARGS))
+    if unknown:
+        raise ValueError(f"generate_until: gen_kwargs {unknown[0]!r} = {kwargs[unknown[0]]!r} is not supported; "
+                         f"supported: {', '.join(GEN_KWARGS)}")
+    until = kwargs.get("until") or ()
+    until = (until,) if isinstance(until, str) else tuple(until)
+    max_new = int(kwargs.get("max_gen_toks", 256))
+    if max_new < 1:
+        raise ValueError(f"generate_until: max_gen_toks = {max_new} is invalid; it must be >= 1")
+    temperature = float(kwargs.get("temperature", 1.0))
+    if not kwargs.get("do_sample", False) or temperature <= 0:
+        return until, max_new, 0.0, 0, 1.0  # greedy: top_k and top_p change nothing
+    return until, max_new, temperature, int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0)
 
 
 def _not_custom_dataset_advice(record: logging.LogRecord) -> bool:
