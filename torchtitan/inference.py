@@ -5,17 +5,22 @@
 
 The checkpoint may be a DCP step folder (full or model-only export) or a Hugging Face folder
 (config.json + *.safetensors); the kind is detected from its files.
+
+``load_checkpoint`` also fills a tensor/expert-parallel model (generation/sharded.py) under torchrun: from a DCP
+folder each rank reads only its own slices (DCP plans them from each DTensor's placement alone, ``no_dist``: every
+rank reads the same folder), from a Hugging Face folder every rank reads the whole files and keeps its slices.
 """
 
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from torchtitan.components.checkpointing.checkpoint import CheckpointError, load_state
 from torchtitan.components.checkpointing.frozen_base import BaseFingerprint, frozen_names
 from torchtitan.components.checkpointing.hf_folder import is_hf_folder, read_hf_model_state
-from torchtitan.components.checkpointing.states import ModelState
+from torchtitan.components.checkpointing.states import ModelState, load_model_state
 from torchtitan.components.checkpointing.storage import verify_checkpoint
 from torchtitan.components.lora.converter import LoRAConverter
 from torchtitan.config.job_config import JobConfig
@@ -44,15 +49,19 @@ def build_model(cfg: JobConfig, device: torch.device | str = "cpu", mtp: bool = 
 
 
 def load_hf_weights(model: nn.Module, spec: TrainSpec, folder: Path, include=lambda name: True) -> None:
-    """The weights ``include(name)`` accepts (all by default) from a Hugging Face folder."""
+    """The weights ``include(name)`` accepts (all by default) from a Hugging Face folder. A tensor/expert-parallel
+    model (generation/sharded.py) takes them too: every rank reads the whole files and keeps its own slices."""
     if spec.state_dict_adapter is None:
         raise CheckpointError(f"model family has no Hugging Face adapter; cannot load {folder}")
-    expected = {name: tensor.shape for name, tensor in model.state_dict().items() if include(name)}
+    own = model.state_dict()
+    expected = {name: tensor.shape for name, tensor in own.items() if include(name)}  # global shapes
     state = read_hf_model_state(folder, spec.state_dict_adapter(model.args), expected)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if include(name)]
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in own]
     if missing or unexpected:
         raise CheckpointError(f"{folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    load_model_state([model], {name: t for name, t in state.items() if include(name)},
+                     StateDictOptions(full_state_dict=True, strict=False))
 
 
 def load_dcp_model(model: nn.Module, location: str | Path, include=lambda name: True) -> None:

@@ -13,6 +13,8 @@ and the bytes each engine's caches would take for the same rows.
   choices keeps the ranks together; expected: the plain model's with seed 7.
 - loaded_whole / loaded_dtensor: load_weights from the state of a plain model initialised from seed 2 (whole
   tensors), then from a sharded one of seed 3 (DTensors); expected: a fresh engine on a plain model of that seed.
+- loaded_hf: inference.load_checkpoint from a Hugging Face folder of a plain model of seed 4 (every rank reads the
+  whole files and keeps its slices, as scripts/generate.py loads one under torchrun); expected: that plain model's.
 """
 
 import json
@@ -25,7 +27,9 @@ import torch.distributed as dist
 from torchtitan.config_check import load_model_config
 from torchtitan.generation import GenerationEngine, SamplingConfig
 from torchtitan.generation.sharded import build_sharded_model
-from torchtitan.inference import build_model
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
+from torchtitan.inference import build_model, load_checkpoint
+from torchtitan.protocols.train_spec import get_train_spec
 
 CASES = {
     "llama3_tp2": ("train_configs/debug_model.toml", ["--parallelism.tensor_parallel_degree", "2"]),
@@ -60,8 +64,18 @@ def cut_after(completion, stop: int):
     return completion
 
 
-def run_case(config: str, flags: list[str], prompts: list[list[int]]) -> dict:
-    engine = GenerationEngine(build_sharded_model(load_model_config(config, flags)), prefill_chunk=7)
+def hf_folder(config: str, seed: int, folder: Path) -> str:
+    """``folder``, holding a plain model of ``seed`` in Hugging Face form."""
+    cfg = load_model_config(config, ["--debug.seed", str(seed)])
+    model, spec = build_model(cfg, mtp=False)
+    write_hf_folder(folder, model.state_dict(), spec.state_dict_adapter(model.args),
+                    spec.build_tokenizer_fn(cfg.model.hf_assets_path), cfg.model.hf_assets_path, "float32")
+    return str(folder)
+
+
+def run_case(config: str, flags: list[str], prompts: list[list[int]], scratch: Path) -> dict:
+    cfg = load_model_config(config, flags)
+    engine = GenerationEngine(build_sharded_model(cfg), prefill_chunk=7)
     rank = dist.get_rank()  # the process group is joined by build_sharded_model
     reference = plain(config, 0)
     # What a rank's caches take: its own key/value heads only, under tensor parallelism.
@@ -76,6 +90,8 @@ def run_case(config: str, flags: list[str], prompts: list[list[int]]) -> dict:
     other = build_sharded_model(load_model_config(config, [*flags, "--debug.seed", "3"]))
     engine.load_weights(other.state_dict())
     out["loaded_dtensor"] = record(engine.generate(prompts, GREEDY), plain(config, 3).generate(prompts, GREEDY))
+    load_checkpoint(engine.model, get_train_spec(cfg.model.name), cfg, hf_folder(config, 4, scratch / f"hf{rank}"))
+    out["loaded_hf"] = record(engine.generate(prompts, GREEDY), plain(config, 4).generate(prompts, GREEDY))
     return out
 
 
@@ -84,7 +100,7 @@ def main(out: Path) -> int:
     for name, (config, flags) in CASES.items():
         generator = torch.Generator().manual_seed(len(name))
         prompts = [torch.randint(1, 2000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-        results[name] = run_case(config, flags, prompts)
+        results[name] = run_case(config, flags, prompts, out / name)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

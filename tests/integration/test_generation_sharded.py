@@ -1,6 +1,7 @@
 """The generation engine on a tensor-parallel llama3 and an expert-parallel qwen3_moe debug model (2 processes, one
 launch; generation_shard_worker.py says what each check runs) gives the single process's tokens, and after
-load_weights those of a fresh model holding the new weights."""
+load_weights (or inference.load_checkpoint of a Hugging Face folder) those of a fresh model holding the new
+weights."""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 from tests.conftest import run_command, torchrun_command
 from tests.integration.generation_shard_worker import CASES, NEW_TOKENS, PROMPT_LENGTHS
 
-CHECKS = ("greedy", "sampled", "loaded_whole", "loaded_dtensor")
+CHECKS = ("greedy", "sampled", "loaded_whole", "loaded_dtensor", "loaded_hf")
 # Each case's TP degree: a rank caches the keys and values of its own heads only.
 TP = {"llama3_tp2": 2, "qwen3_moe_ep2": 1}
 
@@ -39,5 +40,5 @@ def test_sharded_generation_equals_one_process(shard_results, case):
     assert max(len(t) for t in rank0["greedy"]["sharded"]) == NEW_TOKENS
     # Each load changed what the model generates.
     greedy_full = rank0["loaded_whole"]["sharded"]
-    assert greedy_full != rank0["loaded_dtensor"]["sharded"]
+    assert greedy_full != rank0["loaded_dtensor"]["sharded"] != rank0["loaded_hf"]["sharded"]
     assert [t[:5] for t in greedy_full] != [t[:5] for t in rank0["greedy"]["sharded"]]
