@@ -4,6 +4,7 @@ fails far from the flag, e.g. inside itertools, or is silently accepted)."""
 
 import argparse
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -15,7 +16,9 @@ class ScriptParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         message = re.sub(r"^argument ([^:]+): ", r"\1 ", message)
-        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        # Under torchrun every rank parses the same line: rank 0 alone says what is wrong.
+        if os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ:
+            print(f"error: {' '.join(message.split())}", file=sys.stderr)
         sys.exit(2)
 
 
