@@ -24,20 +24,40 @@ filtering, reproducibly for a given --seed, device and batch of prompts.
 end-of-text token that stopped it included], "pieces": [each token's text], "logprobs": [...], "finish_reason":
 "stop" | "length"}. Greedy tokens' log-probabilities are under the model's distribution, sampled ones under the
 distribution they were drawn from (after temperature, top-k and top-p; torchtitan/generation/sampling.py).
+
+A model too big for one device generates tensor and expert parallel under torchrun, on W = --tp x --ep processes:
+
+    torchrun --nproc_per_node 2 scripts/generate.py --config outputs/config.toml \
+        --checkpoint outputs/checkpoint/step-10 --prompt "def main():" --temperature 0 --tp 2
+
+The layout is --tp and --ep alone (default 1 each; they set parallelism.tensor_parallel_degree and
+expert_parallel_degree, the names errors give): the config's [parallelism] section, the training run's layout, is
+not read. Each rank runs on cuda:LOCAL_RANK (the CPU without CUDA; --device is refused), builds its shards as
+the trainer does (torchtitan/generation/sharded.py) and loads them: from a DCP step folder only its own slices;
+from a Hugging Face folder it reads the whole files and keeps its slices. A LoRA run's step checkpoint loads as
+in one process (its frozen base from the config's checkpoint.initial_load_path). Every rank reads the same
+prompts and generates the same tokens (rank 0's choices are broadcast); only rank 0 prints, and an error is one
+line from rank 0, exit 2 on every rank. Greedy text equals the single process's up to last-bit differences of the
+sharded sums (which can flip a near-tie).
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError
 from torchtitan.config_check import load_model_config
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
 from torchtitan.device_arg import default_device, parse_device
+from torchtitan.distributed import device as device_lib
 from torchtitan.generation import GenerationEngine, SamplingConfig
-from torchtitan.inference import load_model
+from torchtitan.generation.sharded import build_sharded_model
+from torchtitan.inference import load_checkpoint, load_model
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.script_args import SEED, ScriptParser, integer, real
 
@@ -57,8 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top_p", type=real(0, 1, low_open=True, note="1: all"), default=1.0,
                         help="sample among the most likely tokens holding this probability mass; 1 = all (default)")
     parser.add_argument("--seed", type=SEED, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--device", default=default_device(),
-                        help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if available); under torchrun, cuda:LOCAL_RANK")
+    parser.add_argument("--tp", type=integer(1), default=1,
+                        help="tensor-parallel degree, under torchrun with --tp x --ep processes (default 1)")
+    parser.add_argument("--ep", type=integer(1), default=1,
+                        help="expert-parallel degree of a MoE model, under torchrun with --tp x --ep processes "
+                             "(default 1)")
     parser.add_argument("--no_stop_at_eos", action="store_true", help="keep generating past the end-of-text token")
     parser.add_argument("--stop", action="append", default=[],
                         help="end a completion at this string, cut before it; repeatable (e.g. --stop $'\\n\\n')")
@@ -100,10 +125,44 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or [""]
 
 
+def check_layout(args: argparse.Namespace, world_size: int) -> bool:
+    """Whether this run is sharded (several processes, or --tp/--ep above 1); ValueError when --tp x --ep is not
+    the number of processes torchrun started, or --device is given to a sharded run."""
+    ranks = args.tp * args.ep
+    if ranks != world_size:
+        launched = (f"torchrun started {world_size} processes (WORLD_SIZE)" if device_lib.launched_distributed()
+                    else "this is one process, not started by torchrun")
+        raise ValueError(f"--tp {args.tp} x --ep {args.ep} = {ranks}, but {launched}: they must be equal; launch "
+                         f"torchrun --nproc_per_node {ranks}, or set --tp and --ep to multiply to {world_size}")
+    if ranks > 1 and args.device is not None:
+        raise ValueError(f"--device {args.device} is invalid under torchrun: each rank runs on cuda:LOCAL_RANK (the "
+                         "CPU where there is no CUDA, e.g. CUDA_VISIBLE_DEVICES=''); leave --device out")
+    return ranks > 1
+
+
+def layout_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of a sharded run: generation's layout replaces the training run's, since every rank
+    runs the same batch (generation/sharded.py)."""
+    layout = {"tensor_parallel_degree": args.tp, "expert_parallel_degree": args.ep, "pipeline_parallel_degree": 1,
+              "context_parallel_degree": 1, "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1}
+    return [flag for key, value in layout.items() for flag in (f"--parallelism.{key}", str(value))]
+
+
+def sharded_model(cfg, checkpoint: str | None):
+    """The config's model over this torchrun world (the process group is joined here, after the layout checks),
+    with the checkpoint's weights."""
+    model = build_sharded_model(cfg)
+    if checkpoint is not None:
+        load_checkpoint(model, get_train_spec(cfg.model.name), cfg, checkpoint)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    # Every rank reads the same command line and files and meets the same errors: rank 0 says them.
+    rank = int(os.environ.get("RANK", "0")) if device_lib.launched_distributed() else 0
     try:
         sampling.check()
         if args.system is not None and not args.chat:
@@ -112,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--stop '' is empty, which would end every completion at once; give a non-empty string")
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ValueError(f"--checkpoint {args.checkpoint} is not a folder; give a DCP step folder or HF folder")
+        sharded = check_layout(args, device_lib.world_size())
         prompts = read_prompts(args)
-        device = parse_device(args.device)
-        cfg = load_model_config(args.config)
+        device = None if sharded else parse_device(args.device or default_device())
+        cfg = load_model_config(args.config, layout_overrides(args) if sharded else ())
         tokenizer = get_train_spec(cfg.model.name).build_tokenizer_fn(cfg.model.hf_assets_path)
-        model = load_model(args.config, args.checkpoint, device=str(device))
+        model = (sharded_model(cfg, args.checkpoint) if sharded
+                 else load_model(args.config, args.checkpoint, device=str(device)))
         if args.chat:
             prompt_ids = [chat_prompt(tokenizer, prompt, args.system) for prompt in prompts]
         else:
@@ -126,8 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         completions = engine.generate(prompt_ids, sampling, stop_token_ids=stop_ids, stop_strings=args.stop,
                                       decode=lambda ids: tokenizer.decode(_without_stop(ids, stop_ids)))
     except (ConfigError, CheckpointError, ChatTemplateError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        report(args, prompts, completions, tokenizer, stop_ids)
+    return 0
+
+
+def report(args: argparse.Namespace, prompts: list[str], completions, tokenizer, stop_ids: list[int]) -> None:
+    """Each completion on stdout, its count of new tokens (and with --logprobs its JSON line) on stderr."""
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
         label = "" if len(prompts) == 1 else f"prompt {i + 1} of {len(prompts)}"
         if label:
@@ -140,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
                               "pieces": [tokenizer.decode([t]) for t in completion.tokens],
                               "logprobs": completion.logprobs, "finish_reason": completion.finish_reason}),
                   file=sys.stderr)
-    return 0
 
 
 def _without_stop(ids: list[int], stop_ids: list[int]) -> list[int]:

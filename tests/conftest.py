@@ -125,8 +125,10 @@ def run_module(module: str, *args: str, env: dict | None = None, timeout: int = 
     return run_command([sys.executable, "-m", module, *args], env=env, timeout=timeout)
 
 
-def torchrun_command(nproc: int, module: str, ranks: str = "0") -> list[str]:
-    """``python -m module`` on ``nproc`` local processes under torchrun, showing the output of ``ranks``.
+def torchrun_command(nproc: int, module: str, ranks: str | None = "0") -> list[str]:
+    """``python -m module`` (or the script ``module``, a path ending in .py) on ``nproc`` local processes under
+    torchrun, showing the output of ``ranks``, each line prefixed with its rank; ``ranks=None``: every rank's output
+    as it is, unprefixed (a script whose rank 0 alone prints, as users run it).
 
     Where this host has GPUs but fewer than ``nproc``, the layout runs on the CPU (gloo): NCCL cannot put two
     ranks on one GPU, and the trainer refuses such a launch."""
@@ -134,9 +136,10 @@ def torchrun_command(nproc: int, module: str, ranks: str = "0") -> list[str]:
 
     too_few_gpus = torch.cuda.is_available() and nproc > torch.cuda.device_count()
     cpu_only = ["env", "CUDA_VISIBLE_DEVICES="] if too_few_gpus else []
+    shown = [] if ranks is None else ["--local-ranks-filter", ranks, "--role", "rank", "--tee", "3"]
+    target = [module] if module.endswith(".py") else ["-m", module]
     return [*cpu_only, sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend",
-            "c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter", ranks, "--role", "rank", "--tee", "3", "-m",
-            module]
+            "c10d", "--rdzv_endpoint=localhost:0", *shown, *target]
 
 
 def trainer_command(nproc: int) -> list[str]:

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from tests.conftest import run_module
+from scripts import generate as generate_script
+from tests.conftest import REPO, run_command, run_module, torchrun_command
 
 CONFIG = "train_configs/tiny.toml"  # compute dtype "auto", like the debug preset
 STEPS, VAL_FREQ = 20, 10
@@ -24,10 +25,13 @@ def run(tmp_path_factory):
 
 
 def generate(dump, *flags):
+    return generate_from(dump / "config.toml", dump / "checkpoint" / f"step-{STEPS}", *flags)
+
+
+def generate_from(config, checkpoint, *flags):
     # One BLAS thread: with several, the BLAS may pick its thread count by machine load, which changes
     # the summation order, and a weakly trained model has near-ties that a last-bit change can flip.
-    return run_module("scripts.generate", "--config", str(dump / "config.toml"),
-                      "--checkpoint", str(dump / "checkpoint" / f"step-{STEPS}"), *flags,
+    return run_module("scripts.generate", "--config", str(config), "--checkpoint", str(checkpoint), *flags,
                       env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
 
 
@@ -59,6 +63,58 @@ def test_generate_prints_new_text_and_greedy_is_deterministic(run):
 def test_generate_rejects_bad_arguments(run, flags, message):
     result = generate(run, *flags)
     assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """qwen3_moe_debug's config and its checkpoint after one step (trained experts and routing bias)."""
+    dump = tmp_path_factory.mktemp("moe")
+    result = run_module(
+        "torchtitan.train", "--job.config_file", "train_configs/qwen3_moe_debug.toml", "--training.steps", "1",
+        "--training.local_batch_size", "2", "--training.seq_len", "64", "--checkpoint.enable",
+        "--checkpoint.interval", "1", f"--job.dump_folder={dump}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dump / "config.toml", dump / "checkpoint" / "step-1"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(run):
+    return run / "config.toml", run / "checkpoint" / f"step-{STEPS}"
+
+
+def json_lines(stderr: str) -> list[dict]:
+    """The --logprobs lines of a run's stderr."""
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+
+
+def largest_logprob_gap(a: list[dict], b: list[dict]) -> float:
+    return max(abs(x - y) for one, other in zip(a, b) for x, y in zip(one["logprobs"], other["logprobs"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, trained", [(["--tp", "2"], "tiny_run"), (["--ep", "2"], "moe_run")])
+def test_generate_under_torchrun_prints_the_single_process_text(layout, trained, request, capsys):
+    config, checkpoint = request.getfixturevalue(trained)
+    flags = ["--prompt", "def main():", "--prompt", "import os\nimport sys\n", "--temperature", "0",
+             "--max_new_tokens", "12", "--no_stop_at_eos", "--logprobs"]
+    one = generate_from(config, checkpoint, *flags)
+    assert one.returncode == 0, one.stderr
+    # As users run it (torchrun scripts/generate.py); PYTHONPATH: a script imports from its own folder first, so
+    # torchtitan would otherwise be whichever one is installed, not this repository's.
+    sharded = run_command([*torchrun_command(2, "scripts/generate.py", ranks=None), "--config", str(config),
+                           "--checkpoint", str(checkpoint), *flags, *layout], env={"PYTHONPATH": str(REPO)},
+                          timeout=300)
+    assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-3000:]
+    assert sharded.stdout == one.stdout and one.stdout.count("=== prompt") == 2
+    for i in (1, 2):  # rank 0 alone reports
+        assert sharded.stderr.count(f"[prompt {i} of 2: 12 new tokens]") == 1, sharded.stderr[-3000:]
+    ones, shardeds = json_lines(one.stderr), json_lines(sharded.stderr)
+    assert len(shardeds) == 2 and [r["tokens"] for r in shardeds] == [r["tokens"] for r in ones]
+    assert largest_logprob_gap(shardeds, ones) < 1e-4
+    # The checkpoint's weights made those numbers: the seeded initialisation's are further off.
+    assert generate_script.main(["--config", str(config), "--device", "cpu", *flags]) == 0
+    assert largest_logprob_gap(json_lines(capsys.readouterr().err), ones) > 1e-3
 
 
 @pytest.mark.slow

@@ -108,12 +108,64 @@ def test_no_script_takes_a_number_without_its_range(name, monkeypatch):
 # Each script's numeric options (the test above also finds any new one left a plain int/float).
 NUMBERS = {"evaluate": ("limit", "num_fewshot", "batch_size"), "gpu_check": ("budget",),
            "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "cache_budget_bytes",
-                        "prefill_chunk"),
+                        "prefill_chunk", "tp", "ep"),
            "plan": ("world_size", "efficiency", "vocab_size"), "tokenize_dataset": ("workers", "shard_tokens"),
            "train_tokenizer": ("vocab_size",),
            "generate_config": ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                                "ffn_dim_multiplier", "nodes", "gpus_per_node", "global_batch_size", "seq_len",
                                "local_batch_size", "tokens", "tp", "pp", "dp_shard")}
+
+
+def launched(monkeypatch, world_size: int, rank: int) -> None:
+    """The environment torchrun gives rank ``rank`` of ``world_size`` (no process group is joined)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", str(rank))
+
+
+@pytest.mark.parametrize("world_size, flags, message", [
+    (1, ["--tp", "2"], "--tp 2 x --ep 1 = 2, but this is one process, not started by torchrun: they must be equal; "
+                       "launch torchrun --nproc_per_node 2, or set --tp and --ep to multiply to 1"),
+    (2, [], "--tp 1 x --ep 1 = 1, but torchrun started 2 processes (WORLD_SIZE)"),
+    (4, ["--tp", "2", "--ep", "3"], "--tp 2 x --ep 3 = 6, but torchrun started 4 processes (WORLD_SIZE)"),
+    (2, ["--tp", "2", "--device", "cpu"], "--device cpu is invalid under torchrun: each rank runs on cuda:LOCAL_RANK"),
+])
+def test_generate_refuses_a_layout_other_than_the_world_once_from_rank_0(world_size, flags, message, monkeypatch,
+                                                                          capsys):
+    for rank in range(world_size):
+        if world_size > 1:
+            launched(monkeypatch, world_size, rank)
+        assert generate_script.main(["--config", CONFIG, *flags]) == 2
+        err = capsys.readouterr().err
+        if rank == 0:
+            assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+        else:
+            assert err == ""  # every rank exits 2; rank 0 alone says why
+
+
+@pytest.mark.parametrize("config, flags, message", [
+    ("train_configs/tiny.toml", ["--tp", "3"], "parallelism.tensor_parallel_degree = 3 does not fit model.flavor = "
+                                              "'tiny': its n_heads 4 is not divisible by the tensor-parallel degree 3"),
+    ("train_configs/qwen3_moe_debug.toml", ["--ep", "3"], "parallelism.expert_parallel_degree = 3 does not divide "
+                                                          "the model's moe.num_experts = 8"),
+    ("train_configs/tiny.toml", ["--ep", "3"], "parallelism.expert_parallel_degree = 3 needs a model with MoE layers"),
+])
+def test_generate_refuses_a_layout_the_model_cannot_take_before_joining(config, flags, message, monkeypatch, capsys):
+    launched(monkeypatch, 3, 0)  # no rendezvous is set up: joining would fail with another message
+    assert generate_script.main(["--config", config, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags, valid", [(["--tp", "0"], "an integer >= 1"),
+                                          (["--top_p", "0"], "a finite number in (0, 1] (1: all)")])
+def test_a_bad_command_line_is_said_once_under_torchrun(flags, valid, monkeypatch, capsys):
+    for rank, printed in ((0, True), (1, False)):
+        launched(monkeypatch, 2, rank)
+        with pytest.raises(SystemExit) as exit_info:
+            generate_script.main(["--config", CONFIG, *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert err == (f"error: {flags[0]} {flags[1]} is invalid; it must be {valid}\n" if printed else "")
 
 
 @pytest.mark.parametrize("kind, text, valid", [
