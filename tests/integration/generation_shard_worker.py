@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.config_check import load_model_config
 from torchtitan.generation import GenerationEngine, SamplingConfig
 from torchtitan.generation.sharded import build_sharded_model
-from torchtitan.components.checkpointing.hf_folder import write_hf_folder
 from torchtitan.inference import build_model, load_checkpoint
 from torchtitan.protocols.train_spec import get_train_spec
 

@@ -123,8 +123,8 @@ def launched(monkeypatch, world_size: int, rank: int) -> None:
 
 
 @pytest.mark.parametrize("world_size, flags, message", [
-    (1, ["--tp", "2"], "--tp 2 x --ep 1 = 2, but this is one process, not started by torchrun: they must be equal; "
-                       "launch torchrun --nproc_per_node 2, or set --tp and --ep to multiply to 1"),
+    (1, ["--tp", "2"], ("--tp 2 x --ep 1 = 2, but this is one process, not started by torchrun: they must be equal; "
+                        "launch torchrun --nproc_per_node 2, or set --tp and --ep to multiply to 1")),
     (2, [], "--tp 1 x --ep 1 = 1, but torchrun started 2 processes (WORLD_SIZE)"),
     (4, ["--tp", "2", "--ep", "3"], "--tp 2 x --ep 3 = 6, but torchrun started 4 processes (WORLD_SIZE)"),
     (2, ["--tp", "2", "--device", "cpu"], "--device cpu is invalid under torchrun: each rank runs on cuda:LOCAL_RANK"),
@@ -143,10 +143,10 @@ def test_generate_refuses_a_layout_other_than_the_world_once_from_rank_0(world_s
 
 
 @pytest.mark.parametrize("config, flags, message", [
-    ("train_configs/tiny.toml", ["--tp", "3"], "parallelism.tensor_parallel_degree = 3 does not fit model.flavor = "
-                                              "'tiny': its n_heads 4 is not divisible by the tensor-parallel degree 3"),
-    ("train_configs/qwen3_moe_debug.toml", ["--ep", "3"], "parallelism.expert_parallel_degree = 3 does not divide "
-                                                          "the model's moe.num_experts = 8"),
+    ("train_configs/tiny.toml", ["--tp", "3"], ("parallelism.tensor_parallel_degree = 3 does not fit model.flavor = "
+                                               "'tiny': its n_heads 4 is not divisible by the tensor-parallel degree 3")),
+    ("train_configs/qwen3_moe_debug.toml", ["--ep", "3"], ("parallelism.expert_parallel_degree = 3 does not divide "
+                                                           "the model's moe.num_experts = 8")),
     ("train_configs/tiny.toml", ["--ep", "3"], "parallelism.expert_parallel_degree = 3 needs a model with MoE layers"),
 ])
 def test_generate_refuses_a_layout_the_model_cannot_take_before_joining(config, flags, message, monkeypatch, capsys):
