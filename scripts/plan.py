@@ -6,10 +6,10 @@
 Prints a table of parameters, gradients, optimizer state, activations and transient buffers per
 device, the predicted step time, the generation engine's cache for a batch (--generate_batch rows of
 --generate_length tokens; default the config's local batch and seq_len), and whether training fits.
-Trainer flags (--section.field value) after the options override the config, as for the trainer. The config is checked as the trainer checks it
-first. On CPU the step time is measured by training the model cut to one and two blocks, which is
-skipped when the run does not fit the machine or a block is large (over 200M parameters), or when
---efficiency is given.
+Trainer flags (--section.field value) after the options override the config, as for the trainer.
+The config is checked as the trainer checks it first. On CPU the step time is measured by training
+the model cut to one and two blocks, which is skipped when the run does not fit the machine or a
+block is large (over 200M parameters), or when --efficiency is given.
 
 Exit codes:
   0  plan made: the run fits the device's memory
