@@ -4,11 +4,12 @@
     python scripts/plan.py --config train_configs/debug_model.toml --device CPU --training.local_batch_size 4
 
 Prints a table of parameters, gradients, optimizer state, activations and transient buffers per
-device, the predicted step time, and whether it fits. Trainer flags (--section.field value) after
-the options override the config, as for the trainer. The config is checked as the trainer checks it
-first. On CPU the step time is measured by training the model cut to one and two blocks, which is
-skipped when the run does not fit the machine or a block is large (over 200M parameters), or when
---efficiency is given.
+device, the predicted step time, the generation engine's cache for a batch (--generate_batch rows of
+--generate_length tokens; default the config's local batch and seq_len), and whether training fits.
+Trainer flags (--section.field value) after the options override the config, as for the trainer.
+The config is checked as the trainer checks it first. On CPU the step time is measured by training
+the model cut to one and two blocks, which is skipped when the run does not fit the machine or a
+block is large (over 200M parameters), or when --efficiency is given.
 
 Exit codes:
   0  plan made: the run fits the device's memory
@@ -67,12 +68,18 @@ def main(argv: list[str] | None = None) -> int:
                              "on CPU the kernels are timed instead)")
     parser.add_argument("--vocab_size", type=integer(1),
                         help="vocabulary size, for flavors that take it from a tokenizer you do not have locally")
+    parser.add_argument("--generate_batch", type=integer(1),
+                        help="rows the generation cache line is sized for (default training.local_batch_size)")
+    parser.add_argument("--generate_length", type=integer(1),
+                        help="tokens per row for the generation cache line: the longest prompt plus the most new "
+                             "tokens (default training.seq_len)")
     args, overrides = parser.parse_known_args(argv)
     world_size, cfg = args.world_size or 1, None
     try:
         cfg, sources = load_config(["--job.config_file", args.config, *overrides])
         validate(cfg, sources, world_size, args.vocab_size)
-        result = plan(cfg, args.device, world_size, args.efficiency, args.vocab_size)
+        result = plan(cfg, args.device, world_size, args.efficiency, args.vocab_size,
+                      generate_batch=args.generate_batch, generate_length=args.generate_length)
     except (ConfigError, PlanError) as e:
         return error(str(e) + world_size_hint(cfg, args.config, args.world_size), CANNOT_PLAN)
     except Exception as e:  # a config that passed the checks must still never end in a traceback

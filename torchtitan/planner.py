@@ -28,6 +28,7 @@ from torchtitan.components.optimizers.optimizer import state_bytes
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocast
+from torchtitan.generation.caches import cache_class, mixers
 from torchtitan.hardware import DTYPES
 from torchtitan.models.shared import amx_attention
 from torchtitan.models.shared.decoder_args import DecoderArgs
@@ -96,6 +97,10 @@ class ModelShape:
     # The shapes of the block weights a QLoRA base stores in NF4 (lora.base_dtype): FSDP shards those whose rows
     # split into whole scale groups (models/shared/nf4.nf4_shardable), the others stay whole on every rank.
     nf4_shapes: tuple[tuple[int, ...], ...] = ()
+    # The token mixer of each block a forward runs, on the meta device: the generation engine's caches are sized
+    # from them (generation/caches.py); empty, with the reason in no_generation_cache, for a mixer without a cache.
+    mixers: tuple[nn.Module, ...] = ()
+    no_generation_cache: str | None = None
 
     @property
     def nf4_params(self) -> int:
@@ -141,6 +146,7 @@ class Plan:
     step_time_s: float | None  # None when it was not measured
     compute_dtype: str  # training.mixed_precision_param, "auto" resolved for the device
     moe: str | None = None  # the MoE lines of the plan (experts per device, all-to-all volume), None when dense
+    generation: str = ""  # the generation cache line: its bytes per device for a batch and length
 
     @property
     def fits(self) -> bool:
@@ -176,6 +182,10 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
                      id(p) in muon, p.requires_grad) for p in model.parameters())
     nf4_shapes = tuple(tuple(p.shape) for p in nf4_weights(model))
+    try:
+        token_mixers, no_cache = tuple(mixer for _, mixer in mixers(model)), None
+    except ValueError as e:
+        token_mixers, no_cache = (), str(e)
     return ModelShape(
         dim=args.dim, n_layers=len(blocks), n_heads=args.n_heads, q_dim=args.n_heads * args.head_dim,
         kv_dim=args.kv_heads * args.head_dim, ffn_dim=args.ffn_hidden_dim, qk_norm=args.qk_norm,
@@ -191,6 +201,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         expert_dim=moe.hidden_dim if moe else 0, shared_dim=moe.shared_hidden_dim if moe else 0,
         routed_params=moe.routed_params(args.dim) if moe else 0,
         mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors, nf4_shapes=nf4_shapes,
+        mixers=token_mixers, no_generation_cache=no_cache,
     )
 
 
@@ -594,12 +605,25 @@ def cpu_timing_risk(m: ModelShape, memory: Memory, capacity_gib: float) -> str |
 
 
 def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | None = None,
-         vocab_size: int | None = None, cpu_timing: CpuTiming | None = None) -> Plan:
+         vocab_size: int | None = None, cpu_timing: CpuTiming | None = None, generate_batch: int | None = None,
+         generate_length: int | None = None) -> Plan:
     """The prediction for ``cfg`` on ``world_size`` devices of kind ``device``.
 
     On CPU the step time comes from the model's parts timed now (``cpu_timing`` passes them in
-    instead), unless ``efficiency`` is given, which applies to the matmul peak.
+    instead), unless ``efficiency`` is given, which applies to the matmul peak. The generation cache is sized for
+    ``generate_batch`` rows (default training.local_batch_size) of ``generate_length`` slots: the batch's longest
+    prompt plus its most new tokens (default training.seq_len, where the engine stops a row of equal prompts).
     """
+    t = cfg.training
+    generate_batch = t.local_batch_size if generate_batch is None else generate_batch
+    generate_length = t.seq_len if generate_length is None else generate_length
+    if generate_batch < 1:
+        raise PlanError(f"generate_batch = {generate_batch} is invalid; it must be >= 1")
+    # A prompt has at most seq_len - 1 tokens, and a row at most seq_len - 1 new ones (the model's max_seq_len).
+    if not 1 <= generate_length <= 2 * t.seq_len - 2:
+        raise PlanError(f"generate_length = {generate_length} is invalid; it must be in [1, {2 * t.seq_len - 2}]: "
+                        f"the longest prompt plus the most new tokens, each at most training.seq_len - 1 = "
+                        f"{t.seq_len - 1}")
     device = device.upper() if device.upper() in (*DEVICE_MEMORY_GIB, "CPU") else device
     # training.mixed_precision_param = "auto" means what the trainer would pick on that device.
     dtype, _ = resolve_compute_dtype(cfg.training.mixed_precision_param, "cpu" if device == "CPU" else "cuda")
@@ -627,7 +651,32 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
         speed = f"at {efficiency:.0%} of peak"
     return Plan(device=device, capacity_gib=capacity, layout=layout, memory=memory, tokens_per_device=tokens,
                 flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time,
-                compute_dtype=dtype, moe=moe_summary(m, cfg, layout))
+                compute_dtype=dtype, moe=moe_summary(m, cfg, layout),
+                generation=generation_summary(m, generate_batch, generate_length, dtype, layout.tp))
+
+
+def generation_cache_bytes(m: ModelShape, rows: int, length: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes the generation engine's caches hold on one device for ``rows`` rows of ``length`` slots each (a batch's
+    longest prompt plus its most new tokens): each layer's cache's own bytes_per_row (generation/caches.py), on one
+    of ``tp`` tensor-parallel ranks."""
+    return rows * sum(cache_class(mixer).bytes_per_row(mixer, length, dtype, tp) for mixer in m.mixers)
+
+
+def generation_summary(m: ModelShape, rows: int, length: int, dtype: str, tp: int) -> str:
+    """The plan's generation cache line."""
+    if m.no_generation_cache:
+        return f"generation cache: - ({m.no_generation_cache})"
+    total = generation_cache_bytes(m, rows, length, DTYPES[dtype], tp)
+    return (f"generation cache: {_size(total)} per device for {rows} row{'s' if rows != 1 else ''} x {length:,} tokens "
+            f"(prompt + new) in {dtype}, {_size(total / rows)} per row (--generate_batch, --generate_length)")
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest of GiB, MiB, KiB that keeps the number >= 1 (the debug models' caches are KiB)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.3f} {unit}"
+    return f"{n:,.0f} bytes"
 
 
 def moe_summary(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> str | None:
@@ -670,6 +719,7 @@ def format_plan(p: Plan) -> str:
         f"step time: {'-' if p.step_time_s is None else f'{p.step_time_s:.3f} s'}  "
         f"({p.tokens_per_device:,.0f} tokens/device, {p.flops_per_device / 1e12:.3f} TFLOP/device, {p.speed})",
         *([p.moe] if p.moe else []),
+        *([p.generation] if p.generation else []),
     ]
     if p.fits:
         share = mem.total / GIB / p.capacity_gib

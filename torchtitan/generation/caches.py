@@ -137,8 +137,9 @@ class LayerCache:
         self.module, self.step = module, step
 
     @staticmethod
-    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype) -> int:
-        """What one row of ``capacity`` slots holds in this layer, in bytes."""
+    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
+        """What one row of ``capacity`` slots holds in this layer, in bytes; ``tp``: on one of ``tp`` tensor-parallel
+        ranks, for a module built whole (the planner's, on the meta device)."""
         raise NotImplementedError
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -162,10 +163,10 @@ class KeyValueCache(LayerCache):
         self.ring_slots = None
 
     @staticmethod
-    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype) -> int:
+    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
         window = getattr(module, "window", None)
         slots = capacity if window is None else min(window, capacity)
-        return 2 * _local(module.wk.weight).shape[0] * slots * dtype.itemsize
+        return 2 * (_local(module.wk.weight).shape[0] // tp) * slots * dtype.itemsize
 
     def attend(self, q, k, v, documents=None, scale=None, window=None, sinks=None):
         step = self.step
@@ -205,7 +206,8 @@ class LatentCache(LayerCache):
         self.key_slots = None
 
     @staticmethod
-    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype) -> int:
+    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
+        # Every tensor-parallel rank computes the latent whole (models/deepseek_v3/parallelize.py).
         return (module.kv_lora_rank + module.rope_dim) * capacity * dtype.itemsize
 
     def remember(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,9 +237,10 @@ class RecurrentCache(LayerCache):
         self.history = self.history_ids = self.state = None
 
     @staticmethod
-    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype) -> int:
-        value_heads = _local(module.in_proj_b.weight).shape[0]
+    def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
+        value_heads = _local(module.in_proj_b.weight).shape[0] // tp
         channels, kernel = _local(module.conv.weight).shape
+        channels //= tp
         state = value_heads * module.key_head_dim * module.value_head_dim * 4  # float32
         return state + (kernel - 1) * (channels * dtype.itemsize + 8)  # the taps and their document ids
 
