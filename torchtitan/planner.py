@@ -28,7 +28,7 @@ from torchtitan.components.optimizers.optimizer import state_bytes
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import resolve_compute_dtype, uses_autocast
-from torchtitan.generation.caches import cache_class, mixers
+from torchtitan.generation.caches import mixers, mixers_bytes_per_row
 from torchtitan.hardware import DTYPES
 from torchtitan.models.shared import amx_attention
 from torchtitan.models.shared.decoder_args import DecoderArgs
@@ -659,7 +659,7 @@ def generation_cache_bytes(m: ModelShape, rows: int, length: int, dtype: torch.d
     """Bytes the generation engine's caches hold on one device for ``rows`` rows of ``length`` slots each (a batch's
     longest prompt plus its most new tokens): each layer's cache's own bytes_per_row (generation/caches.py), on one
     of ``tp`` tensor-parallel ranks."""
-    return rows * sum(cache_class(mixer).bytes_per_row(mixer, length, dtype, tp) for mixer in m.mixers)
+    return rows * mixers_bytes_per_row(m.mixers, length, dtype, tp)
 
 
 def generation_summary(m: ModelShape, rows: int, length: int, dtype: str, tp: int) -> str:

@@ -301,7 +301,12 @@ def mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def cache_bytes_per_row(model: nn.Module, capacity: int, dtype: torch.dtype) -> int:
     """Bytes one row of ``capacity`` tokens takes in every layer's cache (the local heads, under tensor parallelism)."""
-    return sum(cache_class(m).bytes_per_row(m, capacity, dtype) for _, m in mixers(model))
+    return mixers_bytes_per_row([m for _, m in mixers(model)], capacity, dtype)
+
+
+def mixers_bytes_per_row(token_mixers, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """The same for these token mixers (e.g. of a meta-device model), on one of ``tp`` tensor-parallel ranks."""
+    return sum(cache_class(m).bytes_per_row(m, capacity, dtype, tp) for m in token_mixers)
 
 
 @contextmanager
