@@ -109,7 +109,7 @@ def test_no_script_takes_a_number_without_its_range(name, monkeypatch):
 NUMBERS = {"evaluate": ("limit", "num_fewshot", "batch_size"), "gpu_check": ("budget",),
            "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "cache_budget_bytes",
                         "prefill_chunk", "tp", "ep"),
-           "plan": ("world_size", "efficiency", "vocab_size"), "tokenize_dataset": ("workers", "shard_tokens"),
+           "plan": ("world_size", "efficiency", "vocab_size", "generate_batch", "generate_length"), "tokenize_dataset": ("workers", "shard_tokens"),
            "train_tokenizer": ("vocab_size",),
            "generate_config": ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                                "ffn_dim_multiplier", "nodes", "gpus_per_node", "global_batch_size", "seq_len",

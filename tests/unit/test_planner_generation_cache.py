@@ -12,9 +12,11 @@ import torch.distributed as dist
 from scripts import plan as plan_script
 from tests.bad_input import assert_one_line_error, run_entry_point
 from torchtitan.config import load_config
+from torchtitan.distributed.precision import resolve_compute_dtype
 from torchtitan.generation import GenerationEngine, SamplingConfig
 from torchtitan.generation import engine as engine_module
 from torchtitan.generation.caches import KeyValueCache, LatentCache, RecurrentCache, cache_bytes_per_row
+from torchtitan.hardware import DTYPES
 from torchtitan.inference import build_model
 from torchtitan.planner import generation_cache_bytes, model_shape
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -123,8 +125,11 @@ def test_plan_script_reports_the_generation_cache(name, flags):
     code, text = run_entry_point(plan_script.main, argv)
     assert code == plan_script.FITS, text
     [line] = [line for line in text.splitlines() if line.startswith("generation cache:")]
-    assert f"for {rows} rows x {length:,} tokens (prompt + new) in bfloat16" in line
-    expected = generation_cache_bytes(model_shape(cfg), rows, length, torch.bfloat16)
+    # The caches hold what the model computes in: training.mixed_precision_param as the trainer resolves it here
+    # ("auto": bfloat16 where the CPU computes it natively, else float32).
+    dtype, _ = resolve_compute_dtype(cfg.training.mixed_precision_param, "cpu")
+    assert f"for {rows} rows x {length:,} tokens (prompt + new) in {dtype}" in line
+    expected = generation_cache_bytes(model_shape(cfg), rows, length, DTYPES[dtype])
     assert reported(line, "per device") == pytest.approx(expected, rel=1e-3)
     assert reported(line, "per row") == pytest.approx(expected / rows, rel=1e-3)
 
