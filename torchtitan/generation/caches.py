@@ -129,7 +129,7 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 class LayerCache:
     """One layer's remembered state; ``swaps`` names the layer attributes it replaces while installed."""
 
-    swaps: dict[str, str] = {}
+    swaps: tuple[tuple[str, str], ...] = ()
     # The tensors it holds per row (batch first), which finished rows leave.
     per_row: tuple[str, ...] = ()
 
@@ -152,7 +152,7 @@ class LayerCache:
 class KeyValueCache(LayerCache):
     """Keys and values of grouped-query (or multi-head) attention; a ring of ``window`` slots for a sliding one."""
 
-    swaps = {"attention_fn": "attend"}
+    swaps = (("attention_fn", "attend"),)
     per_row = ("k", "v")
 
     def __init__(self, module: nn.Module, step: DecodeStep):
@@ -197,7 +197,7 @@ class KeyValueCache(LayerCache):
 class LatentCache(LayerCache):
     """Multi-head latent attention's compressed latent and shared rotary key per token."""
 
-    swaps = {"latent_fn": "remember", "attention_fn": "attend"}
+    swaps = (("latent_fn", "remember"), ("attention_fn", "attend"))
     per_row = ("latent", "k_rope")
 
     def __init__(self, module: nn.Module, step: DecodeStep):
@@ -229,7 +229,7 @@ class LatentCache(LayerCache):
 class RecurrentCache(LayerCache):
     """Gated DeltaNet's state per value head and its short conv's last kernel - 1 inputs."""
 
-    swaps = {"conv_fn": "convolve", "recurrence_fn": "recur"}
+    swaps = (("conv_fn", "convolve"), ("recurrence_fn", "recur"))
     per_row = ("history", "history_ids", "state")
 
     def __init__(self, module: nn.Module, step: DecodeStep):
@@ -316,7 +316,7 @@ def installed(model: nn.Module, step: DecodeStep):
     try:
         for _, mixer in mixers(model):
             cache = cache_class(mixer)(mixer, step)
-            for attribute, method in cache.swaps.items():
+            for attribute, method in cache.swaps:
                 saved.append((mixer, attribute, getattr(mixer, attribute)))
                 setattr(mixer, attribute, getattr(cache, method))
             caches.append(cache)

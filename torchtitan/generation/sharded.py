@@ -37,23 +37,23 @@ def layout_problems(cfg: JobConfig, world_size: int, model_args=None) -> list[tu
     p = cfg.parallelism
     same_batch = "every rank runs the same batch in generation"
     if p.pipeline_parallel_degree != 1:
-        return [("parallelism.pipeline_parallel_degree", "is invalid: generation runs every block on every rank; "
-                 "use 1")]
+        return [("parallelism.pipeline_parallel_degree", ("is invalid: generation runs every block on every rank; "
+                 "use 1"))]
     if p.context_parallel_degree != 1:
-        return [("parallelism.context_parallel_degree", "is invalid: the generation caches hold whole sequences on "
-                 "every rank; use 1")]
+        return [("parallelism.context_parallel_degree", ("is invalid: the generation caches hold whole sequences on "
+                 "every rank; use 1"))]
     if p.data_parallel_replicate_degree != 1:
         return [("parallelism.data_parallel_replicate_degree", f"is invalid: {same_batch}; use 1")]
     if p.tensor_parallel_degree < 1 or p.expert_parallel_degree < 1:
         return [("parallelism.tensor_parallel_degree" if p.tensor_parallel_degree < 1 else
                  "parallelism.expert_parallel_degree", "is invalid; it must be >= 1")]
     if p.data_parallel_shard_degree not in (-1, p.expert_parallel_degree):
-        return [("parallelism.data_parallel_shard_degree", f"is invalid: {same_batch}; use -1 (or "
-                 f"expert_parallel_degree = {p.expert_parallel_degree}, the ranks expert parallelism is carved from)")]
+        return [("parallelism.data_parallel_shard_degree", (f"is invalid: {same_batch}; use -1 (or "
+                 f"expert_parallel_degree = {p.expert_parallel_degree}, the ranks expert parallelism is carved from)"))]
     ranks = p.tensor_parallel_degree * p.expert_parallel_degree
     if world_size != ranks:
-        return [("parallelism.tensor_parallel_degree", f"times expert_parallel_degree = {p.expert_parallel_degree} "
-                 f"is {ranks}, but the world size is {world_size}: they must be equal, since {same_batch}")]
+        return [("parallelism.tensor_parallel_degree", (f"times expert_parallel_degree = {p.expert_parallel_degree} "
+                 f"is {ranks}, but the world size is {world_size}: they must be equal, since {same_batch}"))]
     if model_args is not None and p.expert_parallel_degree > 1:
         return [(key, reason) for key, reason in moe_problems(cfg.moe, model_args, p.expert_parallel_degree,
                                                               cfg.checkpoint, hf_has_expert_bias=True)
