@@ -229,9 +229,11 @@ class GenerationEngine:
         if token in stop_ids:
             completion.finish_reason = "stop"
             return True
-        if stop_strings and any(s in decode(completion.tokens) for s in stop_strings):
-            completion.finish_reason = "stop"
-            return True
+        if stop_strings:
+            text = decode(completion.tokens)  # once for all the stop strings
+            if any(s in text for s in stop_strings):
+                completion.finish_reason = "stop"
+                return True
         return len(completion.tokens) >= budget
 
     def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
