@@ -77,6 +77,12 @@ class DecodeStep:
     def slots(self) -> torch.Tensor:
         return torch.arange(self.slot0, self.slot0 + self.length, device=self.starts.device)
 
+    def ring_slots(self, size: int) -> torch.Tensor:
+        """(size,) the slot each entry of a ring of ``size`` entries holds before this forward (-1: none yet): entry
+        i the latest slot s < slot0 with s % size == i, since every slot before slot0 has been written."""
+        latest = self.slot0 - 1 - (self.slot0 - 1 - torch.arange(size, device=self.starts.device)) % size
+        return latest.clamp(min=-1)
+
     def real(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, len(slots)) bool: which of these slots hold a row's real tokens (not its left padding)."""
         return slots[None] >= self.starts[:, None]
@@ -159,8 +165,6 @@ class KeyValueCache(LayerCache):
         super().__init__(module, step)
         self.window = getattr(module, "window", None)
         self.k = self.v = None
-        # For a ring: the slot each ring entry holds (-1: empty), the same for every row (rows share slots).
-        self.ring_slots = None
 
     @staticmethod
     def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -175,7 +179,6 @@ class KeyValueCache(LayerCache):
             size = step.capacity if self.window is None else min(self.window, step.capacity)
             # Zeros, not empty: a ring's unused entries are masked, but a masked NaN would still poison the sum.
             self.k, self.v = (t.new_zeros(t.shape[0], t.shape[1], size, t.shape[3]) for t in (k, v))
-            self.ring_slots = torch.full((size,), -1, dtype=torch.long, device=k.device)
         if self.window is None:
             end = step.slot0 + step.length
             self.k[:, :, step.slot0:end], self.v[:, :, step.slot0:end] = k, v
@@ -184,12 +187,10 @@ class KeyValueCache(LayerCache):
             # The window reaches back into the ring and over this forward's own keys; then the newest overwrite the
             # oldest.
             keys, values = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-            key_slots = torch.cat([self.ring_slots, step.slots])
             size = self.k.shape[2]
+            key_slots = torch.cat([step.ring_slots(size), step.slots])
             newest = step.slots[-size:]
             self.k[:, :, newest % size], self.v[:, :, newest % size] = k[:, :, -size:], v[:, :, -size:]
-            self.ring_slots = self.ring_slots.clone()
-            self.ring_slots[newest % size] = newest
         return step.pad(attend_cached(q, keys, values, step.key_mask(key_slots, window, ring=self.window is not None),
                                       scale, sinks), 2)
 
@@ -203,7 +204,6 @@ class LatentCache(LayerCache):
     def __init__(self, module: nn.Module, step: DecodeStep):
         super().__init__(module, step)
         self.latent = self.k_rope = None
-        self.key_slots = None
 
     @staticmethod
     def bytes_per_row(module: nn.Module, capacity: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -218,12 +218,13 @@ class LatentCache(LayerCache):
             self.k_rope = k_rope.new_empty(k_rope.shape[0], step.capacity, *k_rope.shape[2:])
         end = step.slot0 + step.length
         self.latent[:, step.slot0:end], self.k_rope[:, step.slot0:end] = latent, k_rope
-        self.key_slots = torch.arange(end, device=latent.device)
         return self.latent[:, :end], self.k_rope[:, :end]
 
     def attend(self, q, k, v, documents=None, scale=None, window=None, sinks=None):
         step = self.step
-        return step.pad(attend_cached(step.trim(q, 2), k, v, step.key_mask(self.key_slots, window), scale, sinks), 2)
+        # k and v are expanded from every cached latent: slots 0, 1, ... (remember returned them).
+        key_slots = torch.arange(k.shape[2], device=k.device)
+        return step.pad(attend_cached(step.trim(q, 2), k, v, step.key_mask(key_slots, window), scale, sinks), 2)
 
 
 class RecurrentCache(LayerCache):
