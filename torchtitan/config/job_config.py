@@ -376,6 +376,45 @@ class Eval:
 
 
 @dataclass
+class RL:
+    prompts: str = option(
+        "arithmetic", "Registered prompt task the prompts come from (torchtitan/rl/tasks.py; arithmetic is built in), "
+        "when rl.prompts_path is unset")
+    prompts_path: str | None = option(
+        None, "JSONL file or Hugging Face dataset (folder or hub name) of rows with a prompt and what the rewards read; "
+        "used instead of rl.prompts when set")
+    prompt_column: str = option("prompt", "Column of rl.prompts_path rows holding the prompt text")
+    chat: bool = option(True, "Render each prompt as a user message through the tokenizer's chat template")
+    group_size: int = option(8, "Completions sampled per prompt (G); their rewards are compared within the group")
+    prompts_per_step: int = option(8, "Prompts per optimizer step, over all data-parallel ranks")
+    max_new_tokens: int = option(32, "Most tokens a completion may have")
+    temperature: float = option(1.0, "Sampling temperature of the rollouts (> 0)")
+    top_k: int = option(0, "Sample among the k most likely tokens (0: all)")
+    top_p: float = option(1.0, "Sample from the nucleus of this probability (1: all)")
+    rewards: list[str] = option(["exact_answer"], "Registered reward functions (torchtitan/rl/rewards.py); the "
+                                                  "reward is their weighted sum")
+    reward_weights: list[float] = option([], "Weight of each of rl.rewards (empty: 1 each)")
+    reward_workers: int = option(2, "Worker processes scoring completions (0: in the trainer, no timeout)")
+    reward_timeout_seconds: float = option(10.0, "A reward call that takes longer scores 0 and is counted")
+    clip_low: float = option(0.2, "The ratio is clipped below at 1 - clip_low")
+    clip_high: float = option(0.28, "The ratio is clipped above at 1 + clip_high (DAPO's clip-higher when larger)")
+    kl_coeff: float = option(0.0, "Weight of the KL penalty to a frozen reference model (0: no reference is built)")
+    loss_aggregation: Literal["sequence_mean", "token_mean", "token_sum"] = option(
+        "sequence_mean", "sequence_mean: each completion's mean token loss, averaged (GRPO); token_mean: every token "
+        "weighs the same (DAPO); token_sum: summed over the step, over completions x max_new_tokens (Dr. GRPO)")
+    normalize_advantages: bool = option(True, "Divide each group's centred rewards by their std (GRPO; off: "
+                                              "Dr. GRPO)")
+    filter_equal_rewards: bool = option(True, "Leave out groups whose rewards are all equal (no learning signal)")
+    epochs_per_batch: int = option(1, "Optimizer steps taken on each batch of rollouts")
+    max_staleness: int = option(
+        0, "0: generate each step's rollouts from the current weights; k > 0: a generator process works ahead with "
+        "weights at most k versions old (asynchronous RL)")
+    sampler: str = option("engine", "Registered sampler that generates the rollouts (torchtitan/rl/sampler.py); "
+                                    "a module of experimental.custom_import can register an outside engine")
+    cache_budget_bytes: int = option(0, "Key/value cache bytes the sampler may use per generation (0: no limit)")
+
+
+@dataclass
 class Debug:
     seed: int = option(0, "Seed for weight initialisation and everything random")
     deterministic: bool = option(False, "Use deterministic algorithms (slower)")
@@ -407,5 +446,6 @@ class JobConfig:
     fault_tolerance: FaultTolerance = section(FaultTolerance, "Replica groups that fail and rejoin mid-run (torchft)")
     validation: Validation = section(Validation, "Validation")
     eval: Eval = section(Eval, "Downstream tasks (lm-evaluation-harness) during training")
+    rl: RL = section(RL, "Reinforcement learning from verifiable rewards (training.objective = \"grpo\")")
     debug: Debug = section(Debug, "Reproducibility")
     experimental: Experimental = section(Experimental, "Experimental extensions")
