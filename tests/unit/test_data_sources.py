@@ -179,7 +179,8 @@ def test_dataset_paths_without_data_are_rejected(tmp_path):
         load_documents("x", str(tmp_path), "train")
     with pytest.raises(DataError, match="does not exist"):
         load_documents("x", str(tmp_path / "missing"), "train")
-    with pytest.raises(DataError, match="unknown dataset 'nope'; registered datasets: c4, c4_validation"):
+    with pytest.raises(DataError, match="unknown dataset 'nope'; registered datasets: arithmetic_chat, c4, "
+                                        "c4_validation"):
         load_documents("nope", None, "train")
 
 

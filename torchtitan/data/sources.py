@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from torchtitan.data.arithmetic import load_arithmetic_chat
 from torchtitan.data.chat import load_pydocs_chat
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
@@ -75,29 +76,31 @@ BadRow = tuple[int, "str | None"]  # a row's index and what is wrong with it (No
 
 def _stream_texts(
     open_dataset: Callable[[], object], where: str, text_column: str, locate_bad_row: Callable[[], BadRow | None],
-    format: str = "text",
+    format: str = "text", whole_rows: bool = False, column_field: str | None = None,
 ) -> Iterator:
     """Yield one column of a streamed `datasets` dataset row by row (text, or conversations for the chat
-    format), turning bad data into DataError.
+    format), or with ``whole_rows`` each row as a dict of all its columns (the column checked as before), turning
+    bad data into DataError; ``column_field`` is the config field that names the column, for messages.
 
     A reader may fail on a whole block (e.g. pyarrow refusing a column whose type changes at some row), before
     yielding any of its rows: ``locate_bad_row`` then finds the row in the file itself, so that the message
     names the right row whatever version of the reader parsed it."""
     _quiet_datasets_errors()
+    column_field = column_field or ("dataset_text_column" if format == "text" else "training.chat.messages_column")
     row = 0
     try:
         for rows in open_dataset().iter(batch_size=_ROWS_PER_READ):
             if text_column not in rows:
                 raise DataError(
                     f"{where}: row {row} has no column {text_column!r} (columns: {', '.join(sorted(rows))}); "
-                    f"set {'dataset_text_column' if format == 'text' else 'training.chat.messages_column'}"
+                    f"set {column_field}"
                 )
-            for text in rows[text_column]:
+            for i, text in enumerate(rows[text_column]):
                 if text is None:  # a row without the column, where other rows have it
                     raise DataError(f"{where}: row {row} has no value in column {text_column!r} (missing or null)")
                 if problem := _type_problem(text, text_column, format):
                     raise DataError(f"{where}: row {row}: {problem}")
-                yield text
+                yield {name: values[i] for name, values in rows.items()} if whole_rows else text
                 row += 1
     except DataError:
         raise
@@ -210,12 +213,15 @@ def data_files(path: str | pathlib.Path) -> list[pathlib.Path] | list[str]:
 
 
 class LocalFiles:
-    """Documents of local files (one row each), read file after file in sorted order on every iteration."""
+    """Documents of local files (one row each), read file after file in sorted order on every iteration; with
+    ``whole_rows``, each row as a dict of all its columns, ``text_column`` checked to hold a document."""
 
-    def __init__(self, path: str | pathlib.Path, text_column: str = "text", format: str = "text"):
+    def __init__(self, path: str | pathlib.Path, text_column: str = "text", format: str = "text",
+                 whole_rows: bool = False, column_field: str | None = None):
         self.files = data_files(path)
         self.text_column = text_column
         self.format = format
+        self.whole_rows, self.column_field = whole_rows, column_field
         # The index of each file's first row, for the files read so far (the same on every pass).
         self._first_rows: list[int] = []
 
@@ -240,7 +246,8 @@ class LocalFiles:
             def locate(path=path, suffix=suffix):
                 return _first_bad_json_line(str(path), self.text_column, self.format) if suffix == ".jsonl" else None
 
-            for document in _stream_texts(open_file, str(path), self.text_column, locate, self.format):
+            for document in _stream_texts(open_file, str(path), self.text_column, locate, self.format,
+                                          self.whole_rows, self.column_field):
                 count += 1
                 yield document
 
@@ -297,6 +304,7 @@ HUB_DATASETS = {
 
 register_dataset("pydocs", load_pydocs_documents)
 register_dataset("pydocs_chat", load_pydocs_chat, "chat")
+register_dataset("arithmetic_chat", load_arithmetic_chat, "chat")
 for _name, _dataset in HUB_DATASETS.items():
     register_dataset(_name, _dataset, _dataset.format)
 
