@@ -87,8 +87,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("protocols", ("torchtitan.protocols",)),
     ("models", ("torchtitan.models",)),
     ("distributed", ("torchtitan.distributed",)),
-    # The generation engine sits beside the components: the lm-eval adapter and the RL objective run on it.
-    ("components", ("torchtitan.components", "torchtitan.generation")),
+    # The generation engine sits beside the components: the lm-eval adapter and the RL objective run on it; so do
+    # reinforcement learning's prompts, rewards and rollouts.
+    ("components", ("torchtitan.components", "torchtitan.generation", "torchtitan.rl")),
     # What users run: the trainer, the planner, the config pre-check (and `python -m torchtitan.config`, its
     # command, which lives in the schema's package), inference, evaluation, the scripts' argument
     # helpers (--device; numbers and one-line errors), and the package root (torchtitan.load_model, deferred, so

@@ -1,0 +1,1 @@
+"""Reinforcement learning from verifiable rewards: prompts, rewards, rollouts (GRPO)."""
