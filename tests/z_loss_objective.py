@@ -25,7 +25,7 @@ class NextTokenZLoss(NextToken):
         return ce + COEFF * z, loss_parts(ce, z)
 
 
-def _build(loss_fn, model_args, training, block_causal):
+def _build(loss_fn, model_args, training, block_causal, **_):
     return NextTokenZLoss(loss_fn)
 
 

@@ -90,7 +90,18 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
     from torchtitan.components.evaluation.task_eval import config_problems as eval_problems
 
     c.report("eval", eval_problems(c.cfg.eval, c.cfg.parallelism))
+    _check_rl(c, world_size)
     _check_unsupported(c)
+
+
+def _check_rl(c: _Checker, world_size: int) -> None:
+    from torchtitan.rl.config_problems import config_problems as rl_problems
+
+    c.report("", rl_problems(c.cfg, c.sources))
+    if c.cfg.training.objective == "grpo":
+        dp = ParallelDims.from_config(c.cfg.parallelism, world_size).dp
+        c.require("rl.prompts_per_step", c.cfg.rl.prompts_per_step % dp == 0,
+                  f"is not divisible by the data-parallel degree {dp}: each data-parallel rank takes an equal share")
 
 
 def _check_training(c: _Checker) -> None:

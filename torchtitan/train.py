@@ -24,7 +24,7 @@ from torchtitan.components.metrics.logger import MetricsLogger
 from torchtitan.components.metrics.profiling import Profiler
 from torchtitan.components.objectives.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.objectives.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
-from torchtitan.components.objectives.objective import build_objective
+from torchtitan.components.objectives.objective import DataSourceContext, build_objective
 from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizers.mup import apply_lr_multipliers, base_lr, lr_multipliers
 from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
@@ -76,13 +76,19 @@ class Trainer:
         spec = get_train_spec(cfg.model.name)
         self.tokenizer = spec.build_tokenizer_fn(cfg.model.hf_assets_path)
         self.model_args = build_model_args(spec, cfg.model, self.tokenizer.vocab_size, training.seq_len)
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        # In the stored dtype from the start (free on the meta device): what converters add and what parallelism
-        # wraps (a QLoRA base's NF4 weights, which a later cast would dequantize) is built in it.
-        model.to(DTYPES[training.dtype])
         self.converters = ModelConverters(cfg.model.converters, cfg, self.parallel_dims)
-        self.converters.convert(model)
+
+        def build_converted() -> torch.nn.Module:
+            """The model on the meta device, converted; in the stored dtype from the start (free there): what
+            converters add and what parallelism wraps (a QLoRA base's NF4 weights, which a later cast would
+            dequantize) is built in it."""
+            with torch.device("meta"):
+                built = spec.model_cls(self.model_args)
+            built.to(DTYPES[training.dtype])
+            self.converters.convert(built)
+            return built
+
+        model = build_converted()
         if cfg.model.print_after_conversion:
             logger.info(f"model after conversion:\n{model}")
         num_params = count_params(model)
@@ -103,7 +109,7 @@ class Trainer:
             build_loss = spec.build_loss_fn or build_cross_entropy_loss
             self.loss_fn = build_loss(compile_loss=compile_loss, backend=cfg.compile.backend)
         # What a step trains: derives targets from each batch and scores the output (training.objective).
-        self.objective = build_objective(training, self.loss_fn, self.model_args, self.masking.block_causal)
+        self.objective = build_objective(training, self.loss_fn, self.model_args, self.masking.block_causal, cfg.rl)
         # Tensor-parallel logits stay sharded over the vocabulary into the loss (the chunked loss shards it itself).
         self.loss_parallel = (self.parallel_dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
                               and training.loss_chunk_size == 0)
@@ -111,12 +117,14 @@ class Trainer:
         # requested precision through autocast.
         self.autocast = compute_autocast(training, self.device, fsdp_enabled=self.parallel_dims.fsdp_enabled)
 
-        def prepare(part: torch.nn.Module) -> torch.nn.Module:
-            part = parallelize_fn_of(spec)(part, self.parallel_dims, cfg)
+        def materialise(part: torch.nn.Module) -> torch.nn.Module:
             part.to_empty(device=self.device)
             part.init_weights(cfg.debug.seed, buffer_device=self.device)
             self.converters.init_weights(part, cfg.debug.seed)
             return part.train()
+
+        def prepare(part: torch.nn.Module) -> torch.nn.Module:
+            return materialise(parallelize_fn_of(spec)(part, self.parallel_dims, cfg))
 
         self.pipeline = None
         if self.parallel_dims.pp_enabled:
@@ -149,25 +157,35 @@ class Trainer:
         global_batch = self.parallel_dims.global_batch_size(training)  # this replica group's
         groups = ft.group_size if ft.enable else 1
         self.grad_accum_steps = self.parallel_dims.grad_accum_steps(training)
-        self.dataloader = spec.build_dataloader_fn(
-            self.tokenizer,
-            dataset=training.dataset,
-            dataset_path=training.dataset_path,
-            seq_len=training.seq_len,
-            local_batch_size=training.local_batch_size,
-            dp_rank=dp_rank,
-            dp_world_size=dp_degree,
-            num_workers=training.dataloader.num_workers,
-            pin_memory=training.dataloader.pin_memory,
-            prefetch_factor=training.dataloader.prefetch_factor,
-            persistent_workers=training.dataloader.persistent_workers,
-            text_column=training.dataset_text_column,
-            dataset_format=training.dataset_format,
-            chat=training.chat,
-            shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
-            mixture=cfg.data,
-            global_batch_size=global_batch * groups,
-        )
+        build_own_data = getattr(self.objective, "build_data_source", None)  # e.g. GRPO's rollouts
+        if build_own_data is not None:
+            self.dataloader = build_own_data(DataSourceContext(
+                cfg=cfg, tokenizer=self.tokenizer, model_parts=self.model_parts,
+                build_model_part=lambda: prepare(build_converted()),
+                build_local_model=lambda: materialise(build_converted()), parallel_dims=self.parallel_dims,
+                device=self.device, autocast=self.autocast, loss_parallel=self.loss_parallel, masking=self.masking,
+                dp_rank=dp_rank,
+                dp_degree=dp_degree, grad_accum_steps=self.grad_accum_steps, seed=cfg.debug.seed))
+        else:
+            self.dataloader = spec.build_dataloader_fn(
+                self.tokenizer,
+                dataset=training.dataset,
+                dataset_path=training.dataset_path,
+                seq_len=training.seq_len,
+                local_batch_size=training.local_batch_size,
+                dp_rank=dp_rank,
+                dp_world_size=dp_degree,
+                num_workers=training.dataloader.num_workers,
+                pin_memory=training.dataloader.pin_memory,
+                prefetch_factor=training.dataloader.prefetch_factor,
+                persistent_workers=training.dataloader.persistent_workers,
+                text_column=training.dataset_text_column,
+                dataset_format=training.dataset_format,
+                chat=training.chat,
+                shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
+                mixture=cfg.data,
+                global_batch_size=global_batch * groups,
+            )
         self.expert_loads = None
         if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
             # Tokens one forward routes on this rank: a pipeline micro-batch under PP, else the local batch.
@@ -222,6 +240,8 @@ class Trainer:
                                                         if k != "base"}, self.model_parts, self.optimizer)
         if ft.enable:
             self.checkpointer.states["fault_tolerance"] = self.replicas
+        # What a data source of the objective's own keeps besides its position (GRPO: the reference model).
+        self.checkpointer.states.update(getattr(self.dataloader, "checkpoint_states", dict)())
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.create_seed_checkpoint()  # step-0 from the initial weights; main() then exits
         else:
@@ -307,7 +327,7 @@ class Trainer:
         return tokens, dict(zip(inputs, values)), targets
 
     def _on_device(self, batch: Batch) -> Batch:
-        return Batch(*(t.to(self.device, non_blocking=True) for t in batch))
+        return type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))  # a Batch, or an objective's own
 
     def _to_device_and_shard(self, batch: Batch) -> Batch:
         return Batch(*self._cp_shard(list(self._on_device(batch))))
@@ -407,7 +427,8 @@ class Trainer:
             extra.update({name: value.item() for name, value in self.step_metrics.items()})
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).
             data_metrics = getattr(self.dataloader, "metrics", dict)()
-            extra.update({f"data/{name}": n for name, n in data_metrics.items()})
+            namespace = getattr(self.dataloader, "metrics_namespace", "data")  # e.g. "rl" for rollouts
+            extra.update({f"{namespace}/{name}": n for name, n in data_metrics.items()})
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
@@ -415,6 +436,8 @@ class Trainer:
             self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
 
     def close(self) -> None:
+        if hasattr(self.dataloader, "close"):  # e.g. GRPO's reward workers
+            self.dataloader.close()
         self.replicas.close()
         self.preemption.close()
         self.checkpointer.close()

@@ -270,7 +270,7 @@ def test_the_checkpoint_section_is_checked_by_the_checkpoint_component():
     assert config_problems(bad, 1, "llama3", True) == [
         ("interval", "is invalid; it must be > 0"), ("keep_latest_k", "is invalid; it must be >= 0 (0 keeps all)"),
         ("exclude_from_loading", "names unknown state ['optimiser']; valid: model, optimizer, lr_scheduler, "
-                                 "dataloader, train_state, guard, base, fault_tolerance"),
+                                 "dataloader, train_state, guard, base, fault_tolerance, reference"),
         ("initial_load_path", "is read only with checkpoint.enable = true; set it"),
         ("initial_load_path", "is not a folder")]
     assert config_problems(Checkpoint(), 1, "llama3", True) == []

@@ -412,6 +412,8 @@ class RL:
     sampler: str = option("engine", "Registered sampler that generates the rollouts (torchtitan/rl/sampler.py); "
                                     "a module of experimental.custom_import can register an outside engine")
     cache_budget_bytes: int = option(0, "Key/value cache bytes the sampler may use per generation (0: no limit)")
+    shuffle_rewards: bool = option(False, "Control experiment: shuffle each batch's rewards across its completions "
+                                          "before the advantages (what is learned then is not from the rewards)")
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan.generation.caches import DecodeStep, cache_bytes_per_row, installed, mixers
 from torchtitan.generation.sampling import SamplingConfig, choose
-from torchtitan.models.shared.moe import MoE
+from torchtitan.models.shared.moe import load_statistics_kept
 
 
 @dataclass
@@ -96,18 +96,17 @@ class GenerationEngine:
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         results: list[Completion | None] = [None] * len(prompts)
         was_training = self.model.training
-        moe_stats = [(m, m.pending_stats()) for m in self.model.modules() if isinstance(m, MoE)]
         self.model.eval()
         try:
-            for group in groups:
-                done = self._generate_group([prompts[i] for i in group], [budgets[i] for i in group], sampling,
-                                            generator, set(stop_token_ids), list(stop_strings), decode, keep_logits)
-                for i, completion in zip(group, done):
-                    results[i] = completion
+            with load_statistics_kept(self.model):
+                for group in groups:
+                    done = self._generate_group([prompts[i] for i in group], [budgets[i] for i in group], sampling,
+                                                generator, set(stop_token_ids), list(stop_strings), decode,
+                                                keep_logits)
+                    for i, completion in zip(group, done):
+                        results[i] = completion
         finally:
             self.model.train(was_training)
-            for moe, stats in moe_stats:
-                moe.restore_stats(stats)
         return results
 
     def _check(self, prompts, stop_strings, decode) -> None:

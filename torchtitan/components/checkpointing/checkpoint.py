@@ -66,10 +66,11 @@ from torchtitan.remote import RemoteError, fetched_folder, is_url, url_problem
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainState", "complete_steps", "config_problems"]
 
-STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "guard", "base", "fault_tolerance")
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "guard", "base", "fault_tolerance",
+              "reference")
 # Added after the first checkpoints were written, or kept by some runs only (the frozen base's fingerprint):
 # loaded when the checkpoint has them, else left fresh.
-OPTIONAL_KEYS = ("guard", "base", "fault_tolerance")
+OPTIONAL_KEYS = ("guard", "base", "fault_tolerance", "reference")  # reference: GRPO's frozen model (rl/reference.py)
 SEED_STEP = 0  # step-0 is a seed checkpoint: the initial model weights, nothing else
 # A single process needs no process group to save or load; DCP warns about that every time.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

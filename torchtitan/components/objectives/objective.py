@@ -13,19 +13,44 @@ first forward, so every term is a global mean whatever the layout (components/ob
 micro-batch's share of the loss to backpropagate and a detached vector of parts: the next-token loss first
 (logged as ``loss``), then one value per name of ``metric_names``; the trainer sums the parts over
 micro-batches and ranks and logs them.
+
+An objective that makes its own data (GRPO's rollouts of the policy being trained) has
+``build_data_source(context: DataSourceContext)``: the trainer iterates what it returns instead of the dataset's
+loader, checkpoints it as the dataloader, and logs its ``metrics()``.
 """
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from torchtitan.components.objectives.loss import LossFn, count_valid_tokens
 from torchtitan.components.objectives.multi_token_prediction import count_mtp_targets, mtp_loss, mtp_targets
-from torchtitan.config.job_config import Training
+from torchtitan.config.job_config import RL, Training
 from torchtitan.data.dataset import Batch
 from torchtitan.distributed.tensor_parallel import to_local_scalar
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.registry import Registry
+
+
+@dataclass
+class DataSourceContext:
+    """What the trainer built that a data source of an objective's own may need."""
+
+    cfg: Any  # the JobConfig
+    tokenizer: Any
+    model_parts: list  # the model being trained, parallelized
+    build_model_part: Callable[[], Any]  # another model like it, parallelized alike, seeded-initialised
+    build_local_model: Callable[[], Any]  # a whole model with the same converters, on this device, not parallelized
+    parallel_dims: Any
+    device: torch.device
+    autocast: Callable[[], Any]  # the trainer's compute precision context
+    loss_parallel: bool  # the logits stay sharded over the vocabulary (tensor parallelism)
+    masking: Any  # DocumentMasking: the forward's inputs of a batch
+    dp_rank: int
+    dp_degree: int
+    grad_accum_steps: int
+    seed: int
 
 
 def loss_parts(*values: torch.Tensor) -> torch.Tensor:
@@ -79,12 +104,15 @@ class NextTokenWithMTP(NextToken):
 
 
 ObjectiveBuilder = Callable[..., Any]
-"""``builder(loss_fn=, model_args=, training=, block_causal=)`` -> an objective (NextToken's methods)."""
+"""``builder(loss_fn=, model_args=, training=, block_causal=, rl=)`` -> an objective (NextToken's methods); a builder
+takes what it needs and ``**_`` for the rest."""
 
-OBJECTIVES: Registry[ObjectiveBuilder] = Registry("training objective")
+# GRPO registers itself from the RL room (which imports this module), loaded on the first lookup.
+OBJECTIVES: Registry[ObjectiveBuilder] = Registry("training objective", ("torchtitan.rl.objective",))
 
 
-def _next_token(loss_fn: LossFn, model_args: BaseModelArgs, training: Training, block_causal: bool) -> NextToken:
+def _next_token(loss_fn: LossFn, model_args: BaseModelArgs, training: Training, block_causal: bool,
+                **_) -> NextToken:
     # A model with multi-token prediction blocks trains them alongside (model.mtp_depth).
     if model_args.builds_mtp_blocks and model_args.mtp_depth:
         return NextTokenWithMTP(loss_fn, model_args.mtp_depth, training.mtp_loss_weight, block_causal)
@@ -94,10 +122,11 @@ def _next_token(loss_fn: LossFn, model_args: BaseModelArgs, training: Training, 
 OBJECTIVES.register("next_token", _next_token)
 
 
-def build_objective(training: Training, loss_fn: LossFn, model_args: BaseModelArgs, block_causal: bool):
+def build_objective(training: Training, loss_fn: LossFn, model_args: BaseModelArgs, block_causal: bool,
+                    rl: RL | None = None):
     """The objective ``training.objective`` names."""
     return OBJECTIVES.get(training.objective)(loss_fn=loss_fn, model_args=model_args, training=training,
-                                              block_causal=block_causal)
+                                              block_causal=block_causal, rl=rl if rl is not None else RL())
 
 
 def config_problems(training: Training) -> list[tuple[str, str]]:

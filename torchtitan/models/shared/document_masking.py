@@ -1,9 +1,10 @@
 """Which document boundaries the model sees: block-causal attention and per-document RoPE positions.
 
 Every batch carries each token's document id and position within its document (data/dataset.py); the
-config decides which of them reach the model. ``auto`` means: conversations (chat data) are kept apart,
-so a packed conversation never sees another and starts at position 0, and pretraining text keeps the
-plain causal mask over the packed row with positions 0..seq_len-1.
+config decides which of them reach the model. ``auto`` means: conversations (chat data) and RL's rollouts
+(training.objective = "grpo", each sampled on its own) are kept apart, so a packed sequence never sees another
+and starts at position 0, and pretraining text keeps the plain causal mask over the packed row with positions
+0..seq_len-1.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class DocumentMasking:
 
     @classmethod
     def from_config(cls, model: Model, training: Training) -> DocumentMasking:
-        chat = training.dataset_format == "chat"
+        chat = training.dataset_format == "chat" or training.objective == "grpo"
         mask = model.attention_mask if model.attention_mask != "auto" else ("block_causal" if chat else "causal")
         positions = model.positions if model.positions != "auto" else ("per_document" if chat else "global")
         return cls(block_causal=mask == "block_causal", per_document_positions=positions == "per_document",

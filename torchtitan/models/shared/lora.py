@@ -6,6 +6,8 @@ same name, so checkpoints and Hugging Face names of the base are unchanged; the 
 layer has its own r and alpha (an imported PEFT adapter may set them per module: rank_pattern, alpha_pattern).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from torch import nn
@@ -24,9 +26,25 @@ class LoRAForward:
     lora_dropout: nn.Module
     lora_alpha: float
     lora_scale: float
+    lora_off: bool = False  # adapters_off: the base alone
 
     def forward(self, x):
+        if self.lora_off:
+            return super().forward(x)
         return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scale
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model alone inside the block (every adapter of ``model`` skipped), e.g. RL's frozen reference."""
+    adapted = [m for m in model.modules() if is_adapted(m)]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
 
 
 def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:

@@ -13,7 +13,8 @@ The trainer sets the training options (router dtype, expert path, auxiliary loss
 ``MoE.configure`` and takes the expert loads after every step (components/expert_load.py).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -470,3 +471,15 @@ class MoE(nn.Module):
         t = t.clone()
         dist.all_reduce(t, group=self.parallelism.sequence_group)
         return t
+
+
+@contextmanager
+def load_statistics_kept(model: nn.Module) -> Iterator[None]:
+    """Forwards inside the block leave every MoE layer's load statistics as they were (generation, a frozen
+    reference's scoring: the balancer must count the training forwards alone)."""
+    kept = [(m, m.pending_stats()) for m in model.modules() if isinstance(m, MoE)]
+    try:
+        yield
+    finally:
+        for moe, stats in kept:
+            moe.restore_stats(stats)

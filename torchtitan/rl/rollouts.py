@@ -1,0 +1,277 @@
+"""GRPO's data source: each step's micro-batches are completions the policy itself sampled, scored and packed.
+
+For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
+1. The sampler gets the policy's current weights (full tensors gathered from any layout) and its version, the number
+   of optimizer steps behind them (``rl.max_staleness > 0``: a generator process works ahead instead; async.py).
+2. Each data-parallel rank takes its share of the step's ``rl.prompts_per_step`` prompts (a stream position, the same
+   on every rank), and samples ``rl.group_size`` completions of each, seeded by (debug.seed, batch, rank): rerunning
+   a batch reproduces it. Under tensor parallelism the first rank of each group generates and the others receive
+   its packed batch, so the ranks that share a batch never disagree.
+3. The rewards (rewards.py, in worker processes) give each completion its reward; a group's advantages are its
+   rewards against their mean (and std); groups whose rewards are all equal are left out (``rl.filter_equal_rewards``).
+4. Prompt + completion sequences are packed whole into the step's rows (training.local_batch_size x accumulation
+   steps of training.seq_len tokens), first-fit by length, each its own document (block-causal attention, positions
+   from 0), labels only on completion tokens; the rest of a row is padding with no labels. Rollouts that do not fit
+   stop the run with what to change.
+5. With a reference model (rl.kl_coeff > 0) its log-probabilities of the labels are added.
+
+The step's statistics are reported through ``metrics()`` (namespace "rl"): rewards (total and per function), their
+failures, completion lengths, the truncated share, filtered groups, staleness, generation and update seconds.
+"""
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan.components.objectives.grpo import RolloutBatch, group_advantages, informative_groups, rl_sampling
+from torchtitan.components.objectives.objective import DataSourceContext
+from torchtitan.config.job_config import RL
+from torchtitan.data import DataError
+from torchtitan.data.chat_template import ChatTemplate, chat_ids
+from torchtitan.data.dataset import IGNORE_INDEX
+from torchtitan.distributed.precision import compute_autocast
+from torchtitan.generation.engine import Completion
+from torchtitan.log import logger
+from torchtitan.models.shared.seeded_init import canonical_name
+from torchtitan.rl.reference import ReferenceModel
+from torchtitan.rl.rewards import RewardPool
+from torchtitan.rl.sampler import SAMPLERS, SamplerContext
+from torchtitan.rl.tasks import build_prompt_source
+
+
+def policy_state(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The policy's parameters and persistent buffers as full tensors under their model names (every rank takes
+    part: sharded ones are gathered)."""
+    state = {}
+    for part in model_parts:
+        for name, value in part.state_dict().items():
+            state[canonical_name(name)] = value.full_tensor() if isinstance(value, DTensor) else value
+    return state
+
+
+def pack(sequences: list[tuple[list[int], Completion, float]], rows: int, seq_len: int,
+         pad_id: int) -> RolloutBatch | None:
+    """(prompt ids, completion, advantage) packed into ``rows`` rows of ``seq_len``; None if they do not fit.
+
+    A sequence of L = prompt + completion tokens takes L - 1 positions: its tokens but the last as inputs, the
+    next token as label where that is a completion token.
+    """
+    fields = {name: torch.zeros(rows, seq_len, dtype=torch.float32) for name in RolloutBatch._fields[4:]}
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    document_ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    positions = torch.zeros(rows, seq_len, dtype=torch.long)
+    used, documents = [0] * rows, [0] * rows
+    order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i][0]) + len(sequences[i][1].tokens)))
+    for i in order:
+        prompt, completion, advantage = sequences[i]
+        tokens = list(prompt) + completion.tokens
+        width = len(tokens) - 1
+        row = next((r for r in range(rows) if used[r] + width <= seq_len), None)
+        if row is None:
+            return None
+        start, end = used[row], used[row] + width
+        first_label = start + len(prompt) - 1  # the position whose next token is the completion's first
+        input_ids[row, start:end] = torch.tensor(tokens[:-1])
+        labels[row, first_label:end] = torch.tensor(completion.tokens)
+        document_ids[row, start:end] = documents[row]
+        positions[row, start:end] = torch.arange(width)
+        fields["sampler_logprobs"][row, first_label:end] = torch.tensor(completion.logprobs)
+        fields["advantages"][row, first_label:end] = advantage
+        fields["inverse_lengths"][row, first_label:end] = 1 / len(completion.tokens)
+        used[row], documents[row] = end, documents[row] + 1
+    for row in range(rows):  # the rest of the row: padding, a document of its own with no labels
+        document_ids[row, used[row]:] = documents[row]
+        positions[row, used[row]:] = torch.arange(seq_len - used[row])
+    return RolloutBatch(input_ids, labels, document_ids, positions, *fields.values())
+
+
+class RolloutSource:
+    """The trainer's iterator of micro-batches under training.objective = "grpo" (see the module docstring)."""
+
+    metrics_namespace = "rl"
+
+    def __init__(self, rl: RL, context: DataSourceContext):
+        cfg = context.cfg
+        self.rl, self.context = rl, context
+        self.sampling = rl_sampling(rl)
+        self.tokenizer = context.tokenizer
+        self.rows = cfg.training.local_batch_size
+        self.seq_len = cfg.training.seq_len
+        self.accumulation = context.grad_accum_steps
+        self.prompts = build_prompt_source(rl, context.seed)
+        self.per_rank = rl.prompts_per_step // context.dp_degree
+        self.template = ChatTemplate(self.tokenizer.chat_template) if rl.chat else None
+        dims = context.parallel_dims
+        # The ranks that share this rank's batch (tensor parallelism): the first generates, the others receive.
+        self.tp_group = dims.submesh("tp").get_group() if dims.tp_enabled else None
+        self.generates = self.tp_group is None or dist.get_rank(self.tp_group) == 0
+        self.sampler = self.rewards = None
+        if self.generates:
+            # The sampler computes as the trainer's forward does (FSDP's mixed precision included).
+            autocast = compute_autocast(cfg.training, context.device, fsdp_enabled=False)
+            self.sampler = SAMPLERS.get(rl.sampler)(SamplerContext(rl, context.build_local_model, context.device,
+                                                                   autocast, cfg))
+            self.rewards = RewardPool(rl.rewards, rl.reward_weights, rl.reward_workers, rl.reward_timeout_seconds)
+        self.reference = None
+        if rl.kl_coeff > 0:
+            self.reference = ReferenceModel(context.model_parts[0], context.build_model_part, self.sampling,
+                                            lambda batch: context.masking.model_inputs(batch), context.autocast,
+                                            context.loss_parallel)
+        self.handed = 0  # micro-batches handed to the trainer
+        self.next_prompt = 0  # stream position of the next batch's first prompt
+        self.batches = 0  # batches of rollouts made
+        self.current: list[RolloutBatch] = []
+        self._metrics: dict[str, float] = {}
+        self._last_end: float | None = None
+
+    def checkpoint_states(self) -> dict:
+        """Checkpointed beside the trainer's state (train.py adds them): the reference model's weights."""
+        return {"reference": self.reference} if self.reference is not None and self.reference.model is not None \
+            else {}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RolloutBatch:
+        step, within = divmod(self.handed, self.accumulation)
+        if within == 0 and (step % self.rl.epochs_per_batch == 0 or not self.current):
+            self.current = self._make_batch(version=step)
+        self.handed += 1
+        return self.current[within]
+
+    def state_dict(self) -> dict:
+        return {"handed": self.handed, "next_prompt": self.next_prompt, "batches": self.batches,
+                "seed": self.context.seed, "reference": self.reference.source if self.reference else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.handed, self.next_prompt, self.batches = state["handed"], state["next_prompt"], state["batches"]
+        self.current = []  # a resume in the middle of a batch's epochs makes the next batch at once
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def close(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.sampler is not None:
+            self.sampler.close()
+
+    # ----- one batch of rollouts -----
+
+    def _make_batch(self, version: int) -> list[RolloutBatch]:
+        start = time.perf_counter()
+        update_seconds = start - self._last_end if self._last_end is not None else 0.0
+        state = policy_state(self.context.model_parts)  # every rank: gathering shards is collective
+        first = self.next_prompt + self.context.dp_rank * self.per_rank
+        samples = [self.prompts[first + i] for i in range(self.per_rank)]
+        self.next_prompt += self.rl.prompts_per_step
+        seed = (self.context.seed * 1_000_003 + self.batches * 1_009 + self.context.dp_rank) % (1 << 62)
+        self.batches += 1
+        rows = self.rows * self.accumulation
+        if self.generates:
+            self.sampler.load_weights(state, version)
+            del state
+            packed, stats = self._rollouts(samples, seed, rows, version)
+            generation_seconds = time.perf_counter() - start
+        else:
+            packed, stats = RolloutBatch(*(torch.empty(rows, self.seq_len, dtype=torch.long) for _ in range(4)),
+                                         *(torch.empty(rows, self.seq_len) for _ in range(4))), None
+            generation_seconds = 0.0
+        if self.tp_group is not None:
+            source = dist.get_global_rank(self.tp_group, 0)
+            for tensor in packed:
+                dist.broadcast(tensor, src=source, group=self.tp_group)
+        micro = [RolloutBatch(*(t[i * self.rows:(i + 1) * self.rows] for t in packed))
+                 for i in range(self.accumulation)]
+        if self.reference is not None:
+            micro = [batch._replace(ref_logprobs=self.reference.logprobs(self._on_device(batch)).cpu())
+                     for batch in micro]
+        self._metrics = self._global_metrics(stats, generation_seconds, update_seconds)
+        self._last_end = time.perf_counter()
+        return micro
+
+    def _on_device(self, batch: RolloutBatch) -> RolloutBatch:
+        return RolloutBatch(*(t.to(self.context.device) for t in batch))
+
+    def prompt_ids(self, sample: dict) -> list[int]:
+        if self.template is None:
+            return self.tokenizer.encode(sample["prompt"], bos=True)
+        return chat_ids(self.tokenizer, self.template, [{"role": "user", "content": sample["prompt"]}],
+                        add_generation_prompt=True)
+
+    def _rollouts(self, samples: list[dict], seed: int, rows: int, version: int):
+        group = self.rl.group_size
+        prompts = [self.prompt_ids(s) for s in samples]
+        for prompt, sample in zip(prompts, samples):
+            if len(prompt) >= self.seq_len:
+                raise DataError(f"rl: a prompt of {len(prompt)} tokens does not fit training.seq_len = "
+                                f"{self.seq_len} with room to answer: {sample['prompt'][:80]!r}")
+        sampling = dataclasses.replace(self.sampling, seed=seed)
+        stop = [self.tokenizer.eos_id]
+        completions = self.sampler.generate([p for p in prompts for _ in range(group)], sampling, stop)
+        texts = [self.tokenizer.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
+                 for c in completions]
+        scores = self.rewards.score(texts, [s for s in samples for _ in range(group)])
+        rewards = torch.tensor(scores.total, dtype=torch.float64).view(len(samples), group)
+        if self.rl.shuffle_rewards:  # the control run: the same amount of reward, given to random completions
+            order = torch.randperm(rewards.numel(), generator=torch.Generator().manual_seed(seed))
+            rewards = rewards.flatten()[order].view_as(rewards)
+        advantages = group_advantages(rewards, self.rl.normalize_advantages)
+        informative = informative_groups(rewards)
+        keep = informative if self.rl.filter_equal_rewards else torch.ones_like(informative)
+        sequences = [(prompts[g], completions[g * group + j], float(advantages[g, j]))
+                     for g in range(len(samples)) if keep[g] for j in range(group)]
+        packed = pack(sequences, rows, self.seq_len, self.tokenizer.eos_id)
+        if packed is None:
+            need = sum(len(prompts[g // group]) + len(c.tokens) - 1 for g, c in enumerate(completions))
+            raise DataError(
+                f"rl: the rollouts of batch {self.batches - 1} ({len(sequences)} sequences, {need} positions) do not "
+                f"fit this rank's {rows} rows of training.seq_len = {self.seq_len} (training.local_batch_size x "
+                "gradient accumulation); raise training.local_batch_size, training.global_batch_size or "
+                "training.seq_len, or lower rl.prompts_per_step, rl.group_size or rl.max_new_tokens")
+        lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float64)
+        per_function = torch.tensor([scores.per_function[name] for name in self.rl.rewards], dtype=torch.float64).T
+        stats = {"rewards": rewards.flatten(), "per_function": per_function, "lengths": lengths,
+                 "truncated": torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.float64),
+                 "groups": len(samples), "filtered": int((~keep).sum()),
+                 "failures": torch.tensor([scores.failures.get(name, 0) for name in self.rl.rewards],
+                                          dtype=torch.float64), "version": version}
+        for name, error in scores.first_errors.items():
+            logger.warning(f"rl: reward {name} failed on {scores.failures.get(name, 0)} of {len(texts)} completions "
+                           f"of batch {self.batches - 1} (scored 0), e.g.: {error}")
+        return packed, stats
+
+    def _global_metrics(self, stats: dict | None, generation_seconds: float, update_seconds: float) -> dict:
+        """The batch's statistics over all data-parallel ranks (the first rank of each tensor-parallel group
+        counts)."""
+        functions = len(self.rl.rewards)
+        if stats is None:
+            sums = torch.zeros(7 + 2 * functions, dtype=torch.float64)
+            longest = torch.zeros((), dtype=torch.float64)
+        else:
+            r = stats["rewards"]
+            sums = torch.cat([
+                torch.tensor([r.numel(), r.sum(), (r * r).sum(), stats["lengths"].sum(), stats["truncated"].sum(),
+                              stats["groups"], stats["filtered"]], dtype=torch.float64),
+                stats["per_function"].sum(0), stats["failures"]])
+            longest = stats["lengths"].max()
+        if dist.is_initialized():
+            # Every rank takes part; the ranks that only received their batch add zeros.
+            dist.all_reduce(sums)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        n, total, squares, length, truncated, groups, filtered = sums[:7].tolist()
+        mean = total / n
+        metrics = {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
+                   "completion_length_mean": length / n, "completion_length_max": float(longest),
+                   "truncated_share": truncated / n, "filtered_groups": filtered, "groups": groups,
+                   "generation_seconds": generation_seconds, "update_seconds": update_seconds,
+                   "policy_version": self.handed // self.accumulation}
+        for name, value, failures in zip(self.rl.rewards, sums[7:7 + functions].tolist(),
+                                         sums[7 + functions:].tolist()):
+            metrics[f"reward/{name}"] = value / n
+            metrics[f"reward_failures/{name}"] = failures
+        return metrics
