@@ -1,59 +1,39 @@
 """Test doubles for GRPO (imported through experimental.custom_import, also by the generator process):
 
-- sampler "recording": the engine sampler that also appends every completion it generates to a JSON-lines file
-  ($TORCHTITAN_TEST_ROLLOUTS.rank<R>), one line per (batch, prompt), with the policy version;
-- sampler "replay": an outside sampler implementing the interface (rl/sampler.py) from such a file: every batch's
-  completions as recorded, whatever the weights (fixed rollouts, for comparing layouts);
+- sampler "replay": an outside sampler implementing the interface (rl/sampler.py) that serves fixed rollouts from
+  ``grpo_rollouts.jsonl`` beside the run's dump folder (one line per completion: the batch's call index, the prompt's
+  token ids, the completion's tokens, log-probabilities and finish reason), whatever the weights: every layout
+  trains on the same rollouts;
+- ``train_checking_logprobs``: the trainer, recording how far its log-probabilities of the sampled tokens are from
+  the sampler's;
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
   of an untrained model's completions are informative.
 """
 
 import json
-import os
 from collections import defaultdict
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from torchtitan.components.objectives import grpo
+from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.generation.engine import Completion
 from torchtitan.rl.rewards import REWARDS, register_reward
-from torchtitan.rl.sampler import SAMPLERS, EngineSampler
-
-
-def _path() -> str:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return f"{os.environ['TORCHTITAN_TEST_ROLLOUTS']}.rank{rank}"
-
-
-class RecordingSampler(EngineSampler):
-    def __init__(self, context):
-        super().__init__(context)
-        self.calls = 0
-
-    def generate(self, prompts, sampling, stop_token_ids):
-        completions = super().generate(prompts, sampling, stop_token_ids)
-        with open(_path(), "a") as f:
-            for prompt, c in zip(prompts, completions):
-                f.write(json.dumps({"call": self.calls, "prompt": list(prompt), "tokens": c.tokens,
-                                    "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                                    "version": self.version}) + "\n")
-        self.calls += 1
-        return completions
+from torchtitan.rl.sampler import SAMPLERS
 
 
 class ReplaySampler:
-    """Completions read from the recordings of every rank of a run (any layout): keyed by (call, prompt), each
-    prompt's completions in recorded order."""
+    """Keyed by (call, prompt): a data-parallel rank's call holds its share of the batch's prompts, each prompt's
+    completions in the file's order."""
 
     def __init__(self, context):
-        base = os.environ["TORCHTITAN_TEST_ROLLOUTS"]
-        folder, stem = os.path.split(base)
         self.table = defaultdict(list)
-        for name in sorted(os.listdir(folder or ".")):
-            if name.startswith(os.path.basename(stem) + ".rank"):
-                with open(os.path.join(folder, name)) as f:
-                    for line in f:
-                        r = json.loads(line)
-                        self.table[(r["call"], tuple(r["prompt"]))].append(r)
+        with open(Path(context.cfg.job.dump_folder).parent / "grpo_rollouts.jsonl") as f:
+            for line in f:
+                r = json.loads(line)
+                self.table[(r["call"], tuple(r["prompt"]))].append(r)
         self.calls = 0
         self.versions = []
 
@@ -79,8 +59,37 @@ def text_shape(completion: str, sample: dict) -> float:
     return (len(completion) % 5) / 4 + 0.25 * sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
 
 
-if "recording" not in SAMPLERS:
-    SAMPLERS.register("recording", RecordingSampler)
+def train_checking_logprobs(argv: list[str]) -> int:
+    """The trainer's main, with GRPO's loss also writing per step the largest |trainer - sampler| log-probability of
+    any sampled token to ``logprob_gaps.jsonl`` in the dump folder (before the update: both score the same
+    weights); the loss is restored afterwards (a matrix launch runs more jobs in this process)."""
+    from torchtitan.train import main
+
+    folder = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("--job.dump_folder=")))
+    original = grpo.GRPO.loss
+
+    def loss(self, output, targets, global_counts):
+        labels = targets[:, 0].long()
+        with torch.no_grad():
+            ours = grpo.token_logprobs(output, labels, self.sampling)
+            gap = ((ours - targets[:, 1].float()).abs() * (labels != IGNORE_INDEX)).max()
+            tokens = (labels != IGNORE_INDEX).sum()
+            if dist.is_initialized():
+                dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+                dist.all_reduce(tokens)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with open(folder / "logprob_gaps.jsonl", "a") as f:
+                f.write(json.dumps({"max_gap": gap.item(), "tokens": int(tokens)}) + "\n")
+        return original(self, output, targets, global_counts)
+
+    grpo.GRPO.loss = loss
+    try:
+        return main(argv)
+    finally:
+        grpo.GRPO.loss = original
+
+
+if "replay" not in SAMPLERS:
     SAMPLERS.register("replay", ReplaySampler)
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
