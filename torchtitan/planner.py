@@ -127,10 +127,11 @@ class Memory:
     activations: float  # saved for backward at the peak (incl. autocast weight copies)
     transient: float  # short-lived buffers at the peak: logits in the loss, FSDP all-gathers, recompute
     peak_phase: str
+    rl: float = 0.0  # GRPO: the frozen reference (sharded like the policy) and the sampler's whole copy
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.rl
 
 
 @dataclass
@@ -449,7 +450,17 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     }
     phase, (grad_bytes, act_bytes, transient_bytes) = max(phases.items(), key=lambda kv: sum(kv[1]))
     return Memory(params=params, grads=grad_bytes, optimizer=optimizer, activations=act_bytes,
-                  transient=transient_bytes, peak_phase=phase)
+                  transient=transient_bytes, peak_phase=phase, rl=rl_model_bytes(m, cfg, params))
+
+
+def rl_model_bytes(m: ModelShape, cfg: JobConfig, policy_bytes: float) -> float:
+    """GRPO's models beside the policy on a device: the reference (rl.kl_coeff > 0 without LoRA, whose reference is
+    the base itself) holds what the policy's parameters hold; the engine sampler a whole copy in the stored dtype."""
+    if cfg.training.objective != "grpo":
+        return 0.0
+    reference = policy_bytes if cfg.rl.kl_coeff > 0 and "lora" not in cfg.model.converters else 0.0
+    sampler = m.params * DTYPES[cfg.training.dtype].itemsize if cfg.rl.sampler == "engine" else 0.0
+    return reference + sampler
 
 
 def gathered_block_params(m: ModelShape, layout: ParallelDims) -> float:
@@ -615,7 +626,10 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
     prompt plus its most new tokens (default training.seq_len, where the engine stops a row of equal prompts).
     """
     t = cfg.training
-    generate_batch = t.local_batch_size if generate_batch is None else generate_batch
+    # A GRPO run's sampler generates each data-parallel rank's prompts x group_size rows (resolve_layout gives dp).
+    rollout_rows = (cfg.rl.prompts_per_step // resolve_layout(cfg, world_size).dp * cfg.rl.group_size
+                    if t.objective == "grpo" else t.local_batch_size)
+    generate_batch = rollout_rows if generate_batch is None else generate_batch
     generate_length = t.seq_len if generate_length is None else generate_length
     if generate_batch < 1:
         raise PlanError(f"generate_batch = {generate_batch} is invalid; it must be >= 1")
@@ -703,7 +717,8 @@ def format_plan(p: Plan) -> str:
     mem = p.memory
     rows = [
         ("parameters", mem.params), ("gradients", mem.grads), ("optimizer state", mem.optimizer),
-        ("activations", mem.activations), ("transient buffers", mem.transient), ("total", mem.total),
+        ("activations", mem.activations), ("transient buffers", mem.transient),
+        *([("rl ref. + sampler", mem.rl)] if mem.rl else []), ("total", mem.total),
     ]
     lay = p.layout
     lines = [
