@@ -156,7 +156,8 @@ class Training:
     )
     objective: str = option(
         "next_token", "Registered training objective: next_token (plus the multi-token prediction loss where the "
-        "model has its blocks); a module of experimental.custom_import can register more (components/objectives/objective.py)"
+        "model has its blocks), grpo (reinforcement learning on the policy's own rollouts, [rl]); a module of "
+        "experimental.custom_import can register more (components/objectives/objective.py)"
     )
     steps: int = option(10000, "Optimizer steps to train")
     enable_cpu_offload: bool = option(False, "Offload parameters, gradients and optimizer state to CPU (FSDP)")
