@@ -148,12 +148,13 @@ def test_rl_settings_without_grpo_are_refused(tmp_path, flags):
 
 
 @pytest.mark.parametrize("field", ["pipeline_parallel_degree", "context_parallel_degree"])
-def test_layouts_grpo_does_not_support_yet_are_refused(field):
+def test_the_reference_is_refused_where_it_cannot_score_yet(field):
     from torchtitan.config import JobConfig
     from torchtitan.rl.config_problems import config_problems
 
     cfg = JobConfig()
     cfg.training.objective = "grpo"
     setattr(cfg.parallelism, field, 2)
-    problems = dict(config_problems(cfg, set()))
-    assert "is not supported with training.objective = 'grpo' yet" in problems[f"parallelism.{field}"]
+    assert f"parallelism.{field}" not in dict(config_problems(cfg, set()))
+    cfg.rl.kl_coeff = 0.1
+    assert "is not supported with rl.kl_coeff > 0 yet" in dict(config_problems(cfg, set()))[f"parallelism.{field}"]

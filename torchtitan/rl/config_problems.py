@@ -50,9 +50,8 @@ def config_problems(cfg, changed: set[str]) -> list[tuple[str, str]]:
                                              "rollout was sampled on its own, so the trainer must score it so")
     for key, degree in (("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree),
                         ("parallelism.context_parallel_degree", p.context_parallel_degree)):
-        need(key, degree == 1, "is not supported with training.objective = 'grpo' yet (rollouts are scored and "
-                               "referenced in the trainer's layout, which does not split sequences or layers yet); "
-                               "use 1")
+        need(key, degree == 1 or rl.kl_coeff == 0, "is not supported with rl.kl_coeff > 0 yet (the reference model "
+                                                   "scores whole sequences on whole models); use 1, or rl.kl_coeff = 0")
     need("fault_tolerance.enable", not cfg.fault_tolerance.enable,
          "is not supported with training.objective = 'grpo' yet (a redone step would sample again); leave it off")
     need("checkpoint.interval", not cfg.checkpoint.enable or cfg.checkpoint.interval % rl.epochs_per_batch == 0,

@@ -5,8 +5,8 @@ For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
    of optimizer steps behind them (``rl.max_staleness > 0``: a generator process works ahead instead; async.py).
 2. Each data-parallel rank takes its share of the step's ``rl.prompts_per_step`` prompts (a stream position, the same
    on every rank), and samples ``rl.group_size`` completions of each, seeded by (debug.seed, batch, rank): rerunning
-   a batch reproduces it. Under tensor parallelism the first rank of each group generates and the others receive
-   its packed batch, so the ranks that share a batch never disagree.
+   a batch reproduces it. Of the ranks that share a batch (tensor, pipeline, context parallel peers) the first
+   generates and the others receive its packed batch, so they never disagree.
 3. The rewards (rewards.py, in worker processes) give each completion its reward; a group's advantages are its
    rewards against their mean (and std); groups whose rewards are all equal are left out (``rl.filter_equal_rewards``).
 4. Prompt + completion sequences are packed whole into the step's rows (training.local_batch_size x accumulation
@@ -42,14 +42,37 @@ from torchtitan.rl.sampler import SAMPLERS, SamplerContext
 from torchtitan.rl.tasks import build_prompt_source
 
 
-def policy_state(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """The policy's parameters and persistent buffers as full tensors under their model names (every rank takes
-    part: sharded ones are gathered)."""
+def policy_state(model_parts: list[torch.nn.Module], group: dist.ProcessGroup | None = None,
+                 destination: int = 0) -> dict[str, torch.Tensor] | None:
+    """The policy's parameters and persistent buffers as full tensors under their model names. Every rank takes
+    part (sharded tensors are gathered); with ``group`` (the ranks holding the other pipeline stages) the stages'
+    states are merged on global rank ``destination`` alone, the others get None."""
     state = {}
     for part in model_parts:
         for name, value in part.state_dict().items():
             state[canonical_name(name)] = value.full_tensor() if isinstance(value, DTensor) else value
-    return state
+    if group is None:
+        return state
+    state = {name: value.cpu() for name, value in state.items()}
+    received = [None] * dist.get_world_size(group) if dist.get_rank() == destination else None
+    dist.gather_object(state, received, dst=destination, group=group)
+    return None if received is None else {name: t for stage in received for name, t in stage.items()}
+
+
+def data_sharing_group(dp_rank: int) -> tuple[dist.ProcessGroup | None, int]:
+    """(a gloo group of the ranks that train on this rank's data, i.e. share its data-parallel rank: its tensor,
+    pipeline and context parallel peers; None when it has none, the group's first global rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None, 0
+    owners = [None] * dist.get_world_size()
+    dist.all_gather_object(owners, dp_rank)
+    mine = None
+    for shared in sorted(set(owners)):  # every rank creates every group, in the same order
+        members = [rank for rank, owner in enumerate(owners) if owner == shared]
+        group = dist.new_group(members, backend="gloo")  # rollouts are CPU tensors, whatever the device
+        if shared == dp_rank:
+            mine = (group if len(members) > 1 else None, members[0])
+    return mine
 
 
 def pack(sequences: list[tuple[list[int], Completion, float]], rows: int, seq_len: int,
@@ -105,10 +128,12 @@ class RolloutSource:
         self.prompts = build_prompt_source(rl, context.seed)
         self.per_rank = rl.prompts_per_step // context.dp_degree
         self.template = ChatTemplate(self.tokenizer.chat_template) if rl.chat else None
-        dims = context.parallel_dims
-        # The ranks that share this rank's batch (tensor parallelism): the first generates, the others receive.
-        self.tp_group = dims.submesh("tp").get_group() if dims.tp_enabled else None
-        self.generates = self.tp_group is None or dist.get_rank(self.tp_group) == 0
+        # The ranks that share this rank's batch (its tensor, pipeline and context parallel peers): the first
+        # generates, the others receive; metrics are summed over a gloo group of all ranks (CPU tensors).
+        self.share_group, self.first = data_sharing_group(context.dp_rank)
+        self.generates = self.share_group is None or dist.get_rank() == self.first
+        self.pipeline = context.parallel_dims.pp_enabled
+        self.metrics_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.sampler = self.rewards = None
         if self.generates:
             # The sampler computes as the trainer's forward does (FSDP's mixed precision included).
@@ -165,7 +190,8 @@ class RolloutSource:
     def _make_batch(self, version: int) -> list[RolloutBatch]:
         start = time.perf_counter()
         update_seconds = start - self._last_end if self._last_end is not None else 0.0
-        state = policy_state(self.context.model_parts)  # every rank: gathering shards is collective
+        # Every rank: gathering shards (and pipeline stages) is collective.
+        state = policy_state(self.context.model_parts, self.share_group if self.pipeline else None, self.first)
         first = self.next_prompt + self.context.dp_rank * self.per_rank
         samples = [self.prompts[first + i] for i in range(self.per_rank)]
         self.next_prompt += self.rl.prompts_per_step
@@ -181,10 +207,9 @@ class RolloutSource:
             packed, stats = RolloutBatch(*(torch.empty(rows, self.seq_len, dtype=torch.long) for _ in range(4)),
                                          *(torch.empty(rows, self.seq_len) for _ in range(4))), None
             generation_seconds = 0.0
-        if self.tp_group is not None:
-            source = dist.get_global_rank(self.tp_group, 0)
+        if self.share_group is not None:
             for tensor in packed:
-                dist.broadcast(tensor, src=source, group=self.tp_group)
+                dist.broadcast(tensor, src=self.first, group=self.share_group)
         micro = [RolloutBatch(*(t[i * self.rows:(i + 1) * self.rows] for t in packed))
                  for i in range(self.accumulation)]
         if self.reference is not None:
@@ -259,10 +284,10 @@ class RolloutSource:
                               stats["groups"], stats["filtered"]], dtype=torch.float64),
                 stats["per_function"].sum(0), stats["failures"]])
             longest = stats["lengths"].max()
-        if dist.is_initialized():
+        if self.metrics_group is not None:
             # Every rank takes part; the ranks that only received their batch add zeros.
-            dist.all_reduce(sums)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums, group=self.metrics_group)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.metrics_group)
         n, total, squares, length, truncated, groups, filtered = sums[:7].tolist()
         mean = total / n
         metrics = {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
