@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.components.objectives.grpo import RolloutBatch, group_advantages, informative_groups, rl_sampling
 from torchtitan.components.objectives.objective import DataSourceContext
+from torchtitan.config import ConfigError
 from torchtitan.config.job_config import RL
 from torchtitan.data import DataError
 from torchtitan.data.chat_template import ChatTemplate, chat_ids
@@ -140,7 +141,11 @@ class RolloutSource:
             autocast = compute_autocast(cfg.training, context.device, fsdp_enabled=False)
             self.sampler = SAMPLERS.get(rl.sampler)(SamplerContext(rl, context.build_local_model, context.device,
                                                                    autocast, cfg))
-            self.rewards = RewardPool(rl.rewards, rl.reward_weights, rl.reward_workers, rl.reward_timeout_seconds)
+            try:
+                self.rewards = RewardPool(rl.rewards, rl.reward_weights, rl.reward_workers,
+                                          rl.reward_timeout_seconds)
+            except RuntimeError as e:  # a worker that cannot start, e.g. a reward's module fails to import there
+                raise ConfigError(f"rl.rewards = {rl.rewards}: {e}") from None
         self.reference = None
         if rl.kl_coeff > 0:
             self.reference = ReferenceModel(context.model_parts[0], context.build_model_part, self.sampling,
