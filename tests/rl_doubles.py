@@ -4,14 +4,22 @@
   ($TORCHTITAN_TEST_ROLLOUTS.rank<R>), one line per (batch, prompt), with the policy version;
 - sampler "replay": an outside sampler implementing the interface (rl/sampler.py) from such a file: every batch's
   completions as recorded, whatever the weights (fixed rollouts, for comparing layouts);
+- sampler "digesting": the engine sampler that, after every load_weights, appends {version, pid, trainer (its parent's
+  pid), digest (of its model's state: `state_digest`)} to the JSON-lines file $TORCHTITAN_TEST_DIGESTS, and sleeps
+  $TORCHTITAN_TEST_GENERATE_SLEEP seconds per generate (default 0); with $TORCHTITAN_TEST_GENERATE_FAIL set,
+  generate raises that text;
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
-  of an untrained model's completions are informative.
+  of an untrained model's completions are informative; "slow_text_shape": the same after sleeping
+  $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion.
 """
 
+import hashlib
 import json
 import os
+import time
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 from torchtitan.generation.engine import Completion
@@ -20,7 +28,8 @@ from torchtitan.rl.sampler import SAMPLERS, EngineSampler
 
 
 def _path() -> str:
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    # A generator process (rl.max_staleness > 0) has no process group; it inherits its trainer's RANK.
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     return f"{os.environ['TORCHTITAN_TEST_ROLLOUTS']}.rank{rank}"
 
 
@@ -38,6 +47,30 @@ class RecordingSampler(EngineSampler):
                                     "version": self.version}) + "\n")
         self.calls += 1
         return completions
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of the tensors' names, dtypes, shapes and bytes, in name order: equal digests, bitwise equal states."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class DigestingSampler(EngineSampler):
+    def load_weights(self, state, version):
+        super().load_weights(state, version)
+        with open(os.environ["TORCHTITAN_TEST_DIGESTS"], "a") as f:
+            f.write(json.dumps({"version": version, "pid": os.getpid(), "trainer": os.getppid(),
+                                "digest": state_digest(self.engine.model.state_dict())}) + "\n")
+
+    def generate(self, prompts, sampling, stop_token_ids):
+        time.sleep(float(os.environ.get("TORCHTITAN_TEST_GENERATE_SLEEP", "0")))
+        if failure := os.environ.get("TORCHTITAN_TEST_GENERATE_FAIL"):
+            raise ValueError(failure)
+        return super().generate(prompts, sampling, stop_token_ids)
 
 
 class ReplaySampler:
@@ -79,8 +112,15 @@ def text_shape(completion: str, sample: dict) -> float:
     return (len(completion) % 5) / 4 + 0.25 * sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
 
 
+def slow_text_shape(completion: str, sample: dict) -> float:
+    time.sleep(float(os.environ.get("TORCHTITAN_TEST_REWARD_SLEEP", "0.05")))
+    return text_shape(completion, sample)
+
+
 if "recording" not in SAMPLERS:
     SAMPLERS.register("recording", RecordingSampler)
     SAMPLERS.register("replay", ReplaySampler)
+    SAMPLERS.register("digesting", DigestingSampler)
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
+    register_reward("slow_text_shape", slow_text_shape)

@@ -1,0 +1,195 @@
+"""Asynchronous GRPO (rl.max_staleness = 1, torchtitan/rl/async_generation.py): the generator process's weights after
+every transfer are bitwise the trainer's of that version, no batch is older than allowed whether the generator or the
+trainer is the slow one, the importance ratio is against the sampler's stale log-probabilities, a resume restarts
+the generator from the loaded weights, and the generator neither hangs the trainer nor outlives it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_module
+from tests.rl_doubles import state_digest
+
+# The debug model on 2 prompts x 4 completions of 4 tokens per step, the generator process 1 version ahead.
+ASYNC = ["--job.config_file", "train_configs/grpo_debug.toml", "--rl.prompts_per_step", "2", "--rl.group_size", "4",
+         "--rl.max_new_tokens", "4", "--training.seq_len", "72", "--training.local_batch_size", "4",
+         "--rl.reward_weights", "1.0", "--rl.reward_workers", "0", "--experimental.custom_import", "tests.rl_doubles",
+         "--rl.sampler", "digesting", "--rl.max_staleness", "1", "--optimizer.lr", "1e-3",
+         "--lr_scheduler.warmup_steps", "0"]
+
+
+def train(folder: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # One thread per process: the trainer and its generator then take a core each; on a machine whose cores are
+    # busy, threads that wait on each other's share of one op cost the suite many times their work.
+    return run_module("torchtitan.train", *ASYNC, "--job.dump_folder", str(folder), *args,
+                      env={"TORCHTITAN_TEST_DIGESTS": str(folder / "digests.jsonl"), "OMP_NUM_THREADS": "1",
+                           **(env or {})})
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_generators_ended(digests: list[dict]) -> None:
+    """The generator processes that wrote ``digests`` have exited and their trainers removed the weight files."""
+    pids = {r["pid"] for r in digests}
+    assert pids and not [pid for pid in pids if alive(pid)]
+    import tempfile
+
+    for trainer in {r["trainer"] for r in digests}:
+        for parent in ("/dev/shm", tempfile.gettempdir()):
+            assert not list(Path(parent).glob(f"torchtitan-rl-weights-{trainer}-*"))
+
+
+def trainer_digests(checkpoints: Path, versions: list[int]) -> dict[int, str]:
+    """The digest of the trainer's model at each version: the seeded initialisation for 0, else its checkpoint."""
+    from torchtitan.config_check import load_model_config
+    from torchtitan.inference import build_model, load_dcp_model
+
+    model, _ = build_model(load_model_config("train_configs/grpo_debug.toml"))
+    digests = {}
+    for version in sorted(versions):
+        if version:
+            load_dcp_model(model, checkpoints / f"step-{version}")
+        digests[version] = state_digest(model.state_dict())
+    return digests
+
+
+@pytest.fixture(scope="module")
+def slow_generator(tmp_path_factory):
+    """4 steps, a checkpoint after each, the generator sleeping 1 s per batch; then resumed to 6 steps."""
+    folder = tmp_path_factory.mktemp("slow_generator")
+    env = {"TORCHTITAN_TEST_GENERATE_SLEEP": "1"}
+    first = train(folder, "--training.steps", "4", "--checkpoint.interval", "1", "--rl.rewards", "text_shape", env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    digests = rows(folder / "digests.jsonl")
+    metrics = rows(folder / "metrics.jsonl")
+    os.rename(folder / "digests.jsonl", folder / "digests_first.jsonl")
+    resumed = train(folder, "--training.steps", "6", "--checkpoint.interval", "1", "--rl.rewards", "text_shape", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return folder, digests, metrics, rows(folder / "digests.jsonl"), rows(folder / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_the_generators_weights_after_each_transfer_are_the_trainers_of_that_version(slow_generator):
+    folder, digests, _, resumed_digests, _ = slow_generator
+    assert [r["version"] for r in digests] == [0, 1, 2, 3]  # version 4 is never needed: the run ends
+    expected = trainer_digests(folder / "checkpoint", [r["version"] for r in digests + resumed_digests])
+    for r in digests + resumed_digests:
+        assert r["digest"] == expected[r["version"]], r["version"]
+    assert len({r["digest"] for r in digests}) == 4  # the weights did change: the check can fail
+    # The resumed run starts a new generator whose first weights are the loaded ones.
+    assert [r["version"] for r in resumed_digests] == [4, 5]
+    assert {r["pid"] for r in resumed_digests}.isdisjoint({r["pid"] for r in digests})
+    assert_generators_ended(digests + resumed_digests)
+
+
+@pytest.mark.slow
+def test_with_a_slow_generator_no_batch_is_older_than_allowed_and_the_ratio_is_against_the_sampler(slow_generator):
+    _, _, metrics, _, resumed_metrics = slow_generator
+    steps = {r["step"]: r for r in metrics + resumed_metrics}  # a resumed run appends its steps
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    for step, r in steps.items():
+        assert r["rl/policy_version"] == step - 1
+        assert r["rl/staleness"] == r["rl/policy_version"] - r["rl/sampler_version"]
+        assert 0 <= r["rl/staleness"] <= 1, r
+    # The first batch of a run, and of a resumed one, comes from the weights it starts with.
+    assert steps[1]["rl/staleness"] == steps[5]["rl/staleness"] == 0
+    # The off-policy correction: GRPO's ratio divides by the sampler's log-probabilities, so at a step's start it
+    # is 1 (up to numerics) on fresh rollouts and trainer / sampler on stale ones; mismatch_abs is the mean of
+    # |log ratio| over the completion tokens.
+    for step, r in steps.items():
+        if r["rl/staleness"] == 0:
+            assert r["rl/mismatch_abs"] < 1e-5, r
+        else:
+            assert r["rl/mismatch_abs"] > 1e-3, r
+
+
+@pytest.mark.slow
+def test_with_a_slow_trainer_the_generator_works_ahead_but_no_further_than_allowed(tmp_path):
+    # Scoring sleeps 0.1 s per completion in the trainer (8 a step); generating a batch takes well under that.
+    result = train(tmp_path, "--training.steps", "4", "--checkpoint.no_enable", "--rl.rewards", "slow_text_shape",
+                   env={"TORCHTITAN_TEST_REWARD_SLEEP": "0.1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = rows(tmp_path / "metrics.jsonl")
+    assert [r["rl/staleness"] for r in metrics] == [0, 1, 1, 1]
+    assert [r["rl/sampler_version"] for r in metrics] == [0, 0, 1, 2]
+    digests = rows(tmp_path / "digests.jsonl")
+    assert [r["version"] for r in digests] == [0, 1, 2, 3]
+    assert_generators_ended(digests)
+
+
+@pytest.mark.slow
+def test_a_failure_in_the_generator_ends_the_run_with_one_line(tmp_path):
+    result = train(tmp_path, "--training.steps", "2", "--checkpoint.no_enable", "--rl.rewards", "text_shape",
+                   env={"TORCHTITAN_TEST_GENERATE_FAIL": "this prompt breaks the engine"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: rl: the generator process failed: generating a batch from policy version 0: ValueError: this prompt "
+        "breaks the engine")
+    assert_generators_ended(rows(tmp_path / "digests.jsonl"))
+
+
+def generator_script(timeouts: int) -> str:
+    """A process holding a GeneratorProcess (never asked for a batch); it prints the generator's pid and folder."""
+    code = f"""
+import sys, time
+from torchtitan.config_check import load_model_config
+from torchtitan.rl.async_generation import GeneratorProcess
+cfg = load_model_config("train_configs/grpo_debug.toml", ["--comm.init_timeout_seconds", "{timeouts}",
+                        "--experimental.custom_import", "tests.rl_doubles", "--rl.sampler", "digesting"])
+g = GeneratorProcess(cfg, "cpu")
+print(g.process.pid, g.folder, flush=True)
+if sys.argv[1:] == ["receive"]:
+    try:
+        g.receive()
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+    g.process.kill()
+    try:
+        g.receive()
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+    g.close()
+else:
+    time.sleep(600)
+"""
+    return code
+
+
+@pytest.mark.slow
+def test_the_generator_exits_with_its_trainer_and_its_death_or_silence_is_one_line():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # A trainer killed outright: its generator notices within a second or two and removes the weight files.
+    trainer = subprocess.Popen([sys.executable, "-c", generator_script(300)], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, text=True)
+    pid, folder = trainer.stdout.readline().split()
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    deadline = time.monotonic() + 20
+    while (alive(int(pid)) or Path(folder).exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(int(pid)) and not Path(folder).exists()
+    # A generator that answers nothing in time, then one that died: each a one-line DataError, no hang.
+    result = subprocess.run([sys.executable, "-c", generator_script(1), "receive"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    first, timed_out, died = result.stdout.splitlines()
+    pid, folder = first.split()
+    assert timed_out == (f"DataError rl: the generator process (pid {pid}) answered no batch within "
+                         "comm.init_timeout_seconds = 1 s; raise it if generating a batch takes that long")
+    assert died == f"DataError rl: the generator process (pid {pid}) exited (code -9) with batches outstanding"
+    assert not alive(int(pid)) and not Path(folder).exists()
