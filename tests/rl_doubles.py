@@ -8,6 +8,7 @@
   pid), digest (of its model's state: `state_digest`)} to the JSON-lines file $TORCHTITAN_TEST_DIGESTS, and sleeps
   $TORCHTITAN_TEST_GENERATE_SLEEP seconds per generate (default 0); with $TORCHTITAN_TEST_GENERATE_FAIL set,
   generate raises that text;
+- sampler "echo": completes every prompt with the prompt's own tokens, no model (large answers, for the transport);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
   of an untrained model's completions are informative; "slow_text_shape": the same after sleeping
   $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion.
@@ -73,6 +74,20 @@ class DigestingSampler(EngineSampler):
         return super().generate(prompts, sampling, stop_token_ids)
 
 
+class EchoSampler:
+    def __init__(self, context):
+        pass
+
+    def load_weights(self, state, version):
+        pass
+
+    def generate(self, prompts, sampling, stop_token_ids):
+        return [Completion(tokens=list(p), logprobs=[0.0] * len(p)) for p in prompts]
+
+    def close(self):
+        pass
+
+
 class ReplaySampler:
     """Completions read from the recordings of every rank of a run (any layout): keyed by (call, prompt), each
     prompt's completions in recorded order."""
@@ -121,6 +136,7 @@ if "recording" not in SAMPLERS:
     SAMPLERS.register("recording", RecordingSampler)
     SAMPLERS.register("replay", ReplaySampler)
     SAMPLERS.register("digesting", DigestingSampler)
+    SAMPLERS.register("echo", EchoSampler)
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
     register_reward("slow_text_shape", slow_text_shape)

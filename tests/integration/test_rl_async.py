@@ -193,3 +193,30 @@ def test_the_generator_exits_with_its_trainer_and_its_death_or_silence_is_one_li
                          "comm.init_timeout_seconds = 1 s; raise it if generating a batch takes that long")
     assert died == f"DataError rl: the generator process (pid {pid}) exited (code -9) with batches outstanding"
     assert not alive(int(pid)) and not Path(folder).exists()
+
+
+@pytest.mark.slow
+def test_large_requests_and_answers_cross_without_blocking_each_other():
+    # Each request and answer is larger than a socket's buffer: the trainer sends the next request while the
+    # generator sends its answer to the last, and neither may wait on the other.
+    code = """
+from torchtitan.config_check import load_model_config
+from torchtitan.generation.sampling import SamplingConfig
+from torchtitan.rl.async_generation import GeneratorProcess
+cfg = load_model_config("train_configs/grpo_debug.toml", ["--experimental.custom_import", "tests.rl_doubles",
+                        "--rl.sampler", "echo"])
+from multiprocessing.connection import wait
+g = GeneratorProcess(cfg, "cpu")
+g.send_weights({}, 0)
+prompts = [[1000 + i] * 1_000_000 for i in range(3)]
+g.request([prompts[0]], SamplingConfig(), [0], min_version=0)
+wait([g.conn])  # the generator is sending its answer, larger than the socket's buffer: it waits on this process
+for prompt in prompts[1:]:
+    g.request([prompt], SamplingConfig(), [0], min_version=0)  # larger than the buffer too
+answers = [g.receive() for _ in prompts]
+g.close()
+print([(c[0].tokens == p, version) for (c, version), p in zip(answers, prompts)])
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == str([(True, 0)] * 3), result.stderr[-3000:]

@@ -43,6 +43,7 @@ includes the generator's start) ends the run.
 
 import importlib
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -214,16 +215,35 @@ def _build_sampler(cfg, device: torch.device):
                                                        cfg))
 
 
+def _read(conn: Connection, inbox: queue.SimpleQueue) -> None:
+    """The generator's reader thread: every message into ``inbox`` as it comes, None last. The trainer never waits
+    on a send while the generator generates, and the generator may wait on sending a large answer while the
+    trainer sends its next request: neither blocks the other."""
+    try:
+        while (message := conn.recv()) is not None:
+            inbox.put(message)
+    except (EOFError, OSError):  # the trainer is gone
+        pass
+    inbox.put(None)
+
+
 def _answer(conn: Connection, sampler) -> None:
-    """Answer the requests in order until told to stop (None)."""
+    """Answer the requests in order until told to stop."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(conn, inbox), daemon=True).start()
     requests: deque = deque()
     newest: tuple[int, str] | None = None  # (version, file) of the newest weights sent
     loaded = None
 
-    def take(message) -> bool:
+    def take(block: bool) -> bool:
+        """Take one message (False: stop, or none waiting when not blocking)."""
         nonlocal newest
-        if message is None:
+        try:
+            message = inbox.get(block=block)
+        except queue.Empty:
             return False
+        if message is None:
+            raise EOFError
         if message[0] == "weights":
             newest = message[1], message[2]
         else:
@@ -232,19 +252,15 @@ def _answer(conn: Connection, sampler) -> None:
 
     while True:
         # Everything already sent first: a request may use weights sent after it was made.
-        ready = requests and newest is not None and newest[0] >= requests[0][3]
-        if not ready or conn.poll():
-            if not take(conn.recv()):
-                return
-            continue
+        while take(block=not (requests and newest is not None and newest[0] >= requests[0][3])):
+            pass
         version, path = newest
         try:
             if version != loaded:
                 try:
                     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                except FileNotFoundError:  # removed for newer weights, whose message was sent before: take it
-                    if not take(conn.recv()):
-                        return
+                except FileNotFoundError:  # removed for newer weights, whose message was sent before: wait for it
+                    take(block=True)
                     continue
                 sampler.load_weights(state, version)
                 loaded = version
