@@ -9,6 +9,7 @@
   $TORCHTITAN_TEST_GENERATE_SLEEP seconds per generate (default 0); with $TORCHTITAN_TEST_GENERATE_FAIL set,
   generate raises that text;
 - sampler "echo": completes every prompt with the prompt's own tokens, no model (large answers, for the transport);
+  it records and sleeps as "digesting" does (the digest of the state it was sent);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
   of an untrained model's completions are informative; "slow_text_shape": the same after sleeping
   $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion.
@@ -60,17 +61,26 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _record_weights(version: int, state: dict[str, torch.Tensor]) -> None:
+    if path := os.environ.get("TORCHTITAN_TEST_DIGESTS"):
+        with open(path, "a") as f:
+            f.write(json.dumps({"version": version, "pid": os.getpid(), "trainer": os.getppid(),
+                                "digest": state_digest(state)}) + "\n")
+
+
+def _before_generating() -> None:
+    time.sleep(float(os.environ.get("TORCHTITAN_TEST_GENERATE_SLEEP", "0")))
+    if failure := os.environ.get("TORCHTITAN_TEST_GENERATE_FAIL"):
+        raise ValueError(failure)
+
+
 class DigestingSampler(EngineSampler):
     def load_weights(self, state, version):
         super().load_weights(state, version)
-        with open(os.environ["TORCHTITAN_TEST_DIGESTS"], "a") as f:
-            f.write(json.dumps({"version": version, "pid": os.getpid(), "trainer": os.getppid(),
-                                "digest": state_digest(self.engine.model.state_dict())}) + "\n")
+        _record_weights(version, self.engine.model.state_dict())
 
     def generate(self, prompts, sampling, stop_token_ids):
-        time.sleep(float(os.environ.get("TORCHTITAN_TEST_GENERATE_SLEEP", "0")))
-        if failure := os.environ.get("TORCHTITAN_TEST_GENERATE_FAIL"):
-            raise ValueError(failure)
+        _before_generating()
         return super().generate(prompts, sampling, stop_token_ids)
 
 
@@ -79,9 +89,10 @@ class EchoSampler:
         pass
 
     def load_weights(self, state, version):
-        pass
+        _record_weights(version, state)
 
     def generate(self, prompts, sampling, stop_token_ids):
+        _before_generating()
         return [Completion(tokens=list(p), logprobs=[0.0] * len(p)) for p in prompts]
 
     def close(self):

@@ -144,50 +144,72 @@ def test_a_failure_in_the_generator_ends_the_run_with_one_line(tmp_path):
     assert_generators_ended(rows(tmp_path / "digests.jsonl"))
 
 
-def generator_script(timeouts: int) -> str:
-    """A process holding a GeneratorProcess (never asked for a batch); it prints the generator's pid and folder."""
-    code = f"""
+# A process holding generator processes of the "echo" sampler (no model), as a trainer holds its generator.
+GENERATORS = """
 import sys, time
+from multiprocessing.connection import wait
 from torchtitan.config_check import load_model_config
+from torchtitan.generation.sampling import SamplingConfig
 from torchtitan.rl.async_generation import GeneratorProcess
-cfg = load_model_config("train_configs/grpo_debug.toml", ["--comm.init_timeout_seconds", "{timeouts}",
-                        "--experimental.custom_import", "tests.rl_doubles", "--rl.sampler", "digesting"])
+cfg = load_model_config("train_configs/grpo_debug.toml", ["--experimental.custom_import", "tests.rl_doubles",
+                        "--rl.sampler", "echo"])
+"""
+
+
+def run_generators(code: str, env: dict | None = None, **kwargs):
+    return subprocess.Popen([sys.executable, "-c", GENERATORS + code], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **kwargs)
+
+
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.slow
+def test_generators_exit_with_their_trainer_idle_or_busy(tmp_path):
+    # The trainer is killed outright: an idle generator sees its end close, a busy one (asleep in a generation)
+    # notices within a second that its trainer is gone; both exit and remove the weight files.
+    loaded = tmp_path / "loaded.jsonl"
+    trainer = run_generators("""
+import os
+idle = GeneratorProcess(cfg, "cpu")
+os.environ["TORCHTITAN_TEST_GENERATE_SLEEP"] = "600"  # the next generator's generations sleep
+busy = GeneratorProcess(cfg, "cpu")
+for g in (idle, busy):
+    g.send_weights({}, 0)
+    g.request([[1, 2]], SamplingConfig(), [0], min_version=0)
+idle.receive()  # answered: it waits for the next message now
+print(idle.process.pid, idle.folder, busy.process.pid, busy.folder, flush=True)
+time.sleep(600)
+""", env={"TORCHTITAN_TEST_DIGESTS": str(loaded)})
+    idle_pid, idle_folder, busy_pid, busy_folder = trainer.stdout.readline().split()
+    # The busy one loaded its weights: it generates now.
+    assert wait_until(lambda: loaded.exists() and len(loaded.read_text().splitlines()) == 2, 60)
+    trainer.kill()
+    trainer.wait()
+    for pid, folder in ((idle_pid, idle_folder), (busy_pid, busy_folder)):
+        assert wait_until(lambda: not alive(int(pid)) and not Path(folder).exists(), 10), (pid, folder)
+
+
+@pytest.mark.slow
+def test_a_silent_or_dead_generator_is_one_line_not_a_hang():
+    trainer = run_generators("""
+cfg.comm.init_timeout_seconds = 1
 g = GeneratorProcess(cfg, "cpu")
 print(g.process.pid, g.folder, flush=True)
-if sys.argv[1:] == ["receive"]:
+for _ in range(2):  # asked for nothing, it answers nothing: the wait ends at comm.init_timeout_seconds
     try:
         g.receive()
     except Exception as e:
         print(type(e).__name__, e, flush=True)
     g.process.kill()
-    try:
-        g.receive()
-    except Exception as e:
-        print(type(e).__name__, e, flush=True)
-    g.close()
-else:
-    time.sleep(600)
-"""
-    return code
-
-
-@pytest.mark.slow
-def test_the_generator_exits_with_its_trainer_and_its_death_or_silence_is_one_line():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    # A trainer killed outright: its generator notices within a second or two and removes the weight files.
-    trainer = subprocess.Popen([sys.executable, "-c", generator_script(300)], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, text=True)
-    pid, folder = trainer.stdout.readline().split()
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait()
-    deadline = time.monotonic() + 20
-    while (alive(int(pid)) or Path(folder).exists()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not alive(int(pid)) and not Path(folder).exists()
-    # A generator that answers nothing in time, then one that died: each a one-line DataError, no hang.
-    result = subprocess.run([sys.executable, "-c", generator_script(1), "receive"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
-    first, timed_out, died = result.stdout.splitlines()
+g.close()
+""")
+    out, _ = trainer.communicate(timeout=120)
+    first, timed_out, died = out.splitlines()
     pid, folder = first.split()
     assert timed_out == (f"DataError rl: the generator process (pid {pid}) answered no batch within "
                          "comm.init_timeout_seconds = 1 s; raise it if generating a batch takes that long")
@@ -199,13 +221,7 @@ def test_the_generator_exits_with_its_trainer_and_its_death_or_silence_is_one_li
 def test_large_requests_and_answers_cross_without_blocking_each_other():
     # Each request and answer is larger than a socket's buffer: the trainer sends the next request while the
     # generator sends its answer to the last, and neither may wait on the other.
-    code = """
-from torchtitan.config_check import load_model_config
-from torchtitan.generation.sampling import SamplingConfig
-from torchtitan.rl.async_generation import GeneratorProcess
-cfg = load_model_config("train_configs/grpo_debug.toml", ["--experimental.custom_import", "tests.rl_doubles",
-                        "--rl.sampler", "echo"])
-from multiprocessing.connection import wait
+    trainer = run_generators("""
 g = GeneratorProcess(cfg, "cpu")
 g.send_weights({}, 0)
 prompts = [[1000 + i] * 1_000_000 for i in range(3)]
@@ -216,7 +232,9 @@ for prompt in prompts[1:]:
 answers = [g.receive() for _ in prompts]
 g.close()
 print([(c[0].tokens == p, version) for (c, version), p in zip(answers, prompts)])
-"""
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            capture_output=True, text=True, timeout=30)
-    assert result.stdout.strip() == str([(True, 0)] * 3), result.stderr[-3000:]
+""")
+    try:
+        out, _ = trainer.communicate(timeout=30)
+    finally:
+        trainer.kill()
+    assert out.strip() == str([(True, 0)] * 3)

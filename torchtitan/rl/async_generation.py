@@ -193,8 +193,8 @@ def serve(fd: int, trainer: int) -> None:
             conn.send(("error", f"building rl.sampler = {cfg.rl.sampler!r}: {one_line(e)}"))
             return
         _answer(conn, sampler)
-    except (EOFError, OSError):  # the trainer is gone
-        pass
+    except (EOFError, OSError):  # the trainer died (a stopping trainer removes its weight files itself)
+        shutil.rmtree(folder, ignore_errors=True)
     finally:
         if sampler is not None:
             sampler.close()
@@ -216,19 +216,24 @@ def _build_sampler(cfg, device: torch.device):
 
 
 def _read(conn: Connection, inbox: queue.SimpleQueue) -> None:
-    """The generator's reader thread: every message into ``inbox`` as it comes, None last. The trainer never waits
-    on a send while the generator generates, and the generator may wait on sending a large answer while the
-    trainer sends its next request: neither blocks the other."""
+    """The generator's reader thread: every message into ``inbox`` as it comes, then ("stop",) when told to stop or
+    ("gone",) when the trainer's end closed. The trainer never waits on a send while the generator generates, and
+    the generator may wait on sending a large answer while the trainer sends its next request: neither blocks the
+    other."""
     try:
         while (message := conn.recv()) is not None:
             inbox.put(message)
-    except (EOFError, OSError):  # the trainer is gone
-        pass
-    inbox.put(None)
+        inbox.put(("stop",))
+    except (EOFError, OSError):
+        inbox.put(("gone",))
+
+
+class _Stopped(Exception):
+    """The trainer told the generator to stop."""
 
 
 def _answer(conn: Connection, sampler) -> None:
-    """Answer the requests in order until told to stop."""
+    """Answer the requests in order until told to stop; EOFError if the trainer died."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read, args=(conn, inbox), daemon=True).start()
     requests: deque = deque()
@@ -236,13 +241,15 @@ def _answer(conn: Connection, sampler) -> None:
     loaded = None
 
     def take(block: bool) -> bool:
-        """Take one message (False: stop, or none waiting when not blocking)."""
+        """Take one message (False: none waiting, when not blocking)."""
         nonlocal newest
         try:
             message = inbox.get(block=block)
         except queue.Empty:
             return False
-        if message is None:
+        if message[0] == "stop":
+            raise _Stopped
+        if message[0] == "gone":
             raise EOFError
         if message[0] == "weights":
             newest = message[1], message[2]
@@ -250,24 +257,33 @@ def _answer(conn: Connection, sampler) -> None:
             requests.append(message[1:])
         return True
 
-    while True:
-        # Everything already sent first: a request may use weights sent after it was made.
-        while take(block=not (requests and newest is not None and newest[0] >= requests[0][3])):
-            pass
-        version, path = newest
-        try:
-            if version != loaded:
-                try:
-                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                except FileNotFoundError:  # removed for newer weights, whose message was sent before: wait for it
-                    take(block=True)
-                    continue
-                sampler.load_weights(state, version)
-                loaded = version
-                del state
-            prompts, sampling, stop_token_ids, _ = requests.popleft()
-            completions = sampler.generate(prompts, sampling, stop_token_ids)
-        except Exception as e:  # whatever the sampler raises: the trainer reports it
-            conn.send(("error", f"generating a batch from policy version {version}: {one_line(e)}"))
-            return
-        conn.send(("batch", completions, loaded))
+    try:
+        while True:
+            # Everything already sent first: a request may use weights sent after it was made.
+            while take(block=not (requests and newest is not None and newest[0] >= requests[0][3])):
+                pass
+            version, path = newest
+            if version != loaded and (state := _weights(path)) is None:
+                take(block=True)  # removed for newer weights, whose message was sent before: wait for it
+                continue
+            try:
+                if version != loaded:
+                    sampler.load_weights(state, version)
+                    loaded = version
+                    del state
+                prompts, sampling, stop_token_ids, _ = requests.popleft()
+                completions = sampler.generate(prompts, sampling, stop_token_ids)
+            except Exception as e:  # whatever the sampler raises: the trainer reports it
+                conn.send(("error", f"generating a batch from policy version {version}: {one_line(e)}"))
+                return
+            conn.send(("batch", completions, loaded))
+    except _Stopped:
+        return
+
+
+def _weights(path: str) -> dict[str, torch.Tensor] | None:
+    """The state in ``path`` (None if the trainer removed it already)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        return None
