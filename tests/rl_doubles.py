@@ -6,11 +6,21 @@
   trains on the same rollouts;
 - ``train_checking_logprobs``: the trainer, recording how far its log-probabilities of the sampled tokens are from
   the sampler's;
+- sampler "digesting": the engine sampler that, after every load_weights, appends {version, pid, trainer (its parent's
+  pid), digest (of its model's state: `state_digest`)} to the JSON-lines file $TORCHTITAN_TEST_DIGESTS, and sleeps
+  $TORCHTITAN_TEST_GENERATE_SLEEP seconds per generate (default 0); with $TORCHTITAN_TEST_GENERATE_FAIL set,
+  generate raises that text;
+- sampler "echo": completes every prompt with the prompt's own tokens, no model (large answers, for the transport);
+  it records and sleeps as "digesting" does (the digest of the state it was sent);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
-  of an untrained model's completions are informative.
+  of an untrained model's completions are informative; "slow_text_shape": the same after sleeping
+  $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion.
 """
 
+import hashlib
 import json
+import os
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,7 +31,55 @@ from torchtitan.components.objectives import grpo
 from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.generation.engine import Completion
 from torchtitan.rl.rewards import REWARDS, register_reward
-from torchtitan.rl.sampler import SAMPLERS
+from torchtitan.rl.sampler import SAMPLERS, EngineSampler
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of the tensors' names, dtypes, shapes and bytes, in name order: equal digests, bitwise equal states."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _record_weights(version: int, state: dict[str, torch.Tensor]) -> None:
+    if path := os.environ.get("TORCHTITAN_TEST_DIGESTS"):
+        with open(path, "a") as f:
+            f.write(json.dumps({"version": version, "pid": os.getpid(), "trainer": os.getppid(),
+                                "digest": state_digest(state)}) + "\n")
+
+
+def _before_generating() -> None:
+    time.sleep(float(os.environ.get("TORCHTITAN_TEST_GENERATE_SLEEP", "0")))
+    if failure := os.environ.get("TORCHTITAN_TEST_GENERATE_FAIL"):
+        raise ValueError(failure)
+
+
+class DigestingSampler(EngineSampler):
+    def load_weights(self, state, version):
+        super().load_weights(state, version)
+        _record_weights(version, self.engine.model.state_dict())
+
+    def generate(self, prompts, sampling, stop_token_ids):
+        _before_generating()
+        return super().generate(prompts, sampling, stop_token_ids)
+
+
+class EchoSampler:
+    def __init__(self, context):
+        pass
+
+    def load_weights(self, state, version):
+        _record_weights(version, state)
+
+    def generate(self, prompts, sampling, stop_token_ids):
+        _before_generating()
+        return [Completion(tokens=list(p), logprobs=[0.0] * len(p)) for p in prompts]
+
+    def close(self):
+        pass
 
 
 class ReplaySampler:
@@ -89,7 +147,15 @@ def train_checking_logprobs(argv: list[str]) -> int:
         grpo.GRPO.loss = original
 
 
+def slow_text_shape(completion: str, sample: dict) -> float:
+    time.sleep(float(os.environ.get("TORCHTITAN_TEST_REWARD_SLEEP", "0.05")))
+    return text_shape(completion, sample)
+
+
 if "replay" not in SAMPLERS:
     SAMPLERS.register("replay", ReplaySampler)
+    SAMPLERS.register("digesting", DigestingSampler)
+    SAMPLERS.register("echo", EchoSampler)
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
+    register_reward("slow_text_shape", slow_text_shape)

@@ -137,10 +137,12 @@ def _call(fn: RewardFn, completion: str, sample: dict) -> Outcome:
     return True, value
 
 
-def _exit_with_parent(parent: int) -> None:
-    # A pool that was never closed ends with its process; a worker stuck in a call would outlive it.
+def exit_with_parent(parent: int, cleanup: Callable[[], None] = lambda: None) -> None:
+    """Run in a thread of a worker process: end it (after ``cleanup``) once ``parent`` is gone. A pool that was never
+    closed ends with its process; a worker stuck in a call would outlive it."""
     while os.getppid() == parent:
         time.sleep(1.0)
+    cleanup()
     os._exit(0)
 
 
@@ -150,7 +152,7 @@ def _worker_main(fd: int) -> None:
     # Ctrl-C and a scheduler's stop notice are for the training process to act on; it ends the workers.
     for sig in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
     try:
         functions = pickle.loads(conn.recv())

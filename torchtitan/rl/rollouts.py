@@ -2,7 +2,8 @@
 
 For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
 1. The sampler gets the policy's current weights (full tensors gathered from any layout) and its version, the number
-   of optimizer steps behind them (``rl.max_staleness > 0``: a generator process works ahead instead; async.py).
+   of optimizer steps behind them. With ``rl.max_staleness = k > 0`` a generator process works ahead instead, from
+   weights up to k versions old, sent to it after every step (async_generation.py); only step 1 differs below.
 2. Each data-parallel rank takes its share of the step's ``rl.prompts_per_step`` prompts (a stream position, the same
    on every rank), and samples ``rl.group_size`` completions of each, seeded by (debug.seed, batch, rank): rerunning
    a batch reproduces it. Of the ranks that share a batch (tensor, pipeline, context parallel peers) the first
@@ -16,11 +17,15 @@ For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
 5. With a reference model (rl.kl_coeff > 0) its log-probabilities of the labels are added.
 
 The step's statistics are reported through ``metrics()`` (namespace "rl"): rewards (total and per function), their
-failures, completion lengths, the truncated share, filtered groups, staleness, generation and update seconds.
+failures, completion lengths, the truncated share, filtered groups, the policy version of the step and the oldest
+version its rollouts came from (over ranks) and their difference, the staleness; generation seconds (loading the
+weights and generating, or waiting for the generator process) and update seconds (from one batch to the next).
 """
 
 import dataclasses
 import time
+from collections import deque
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,8 +40,10 @@ from torchtitan.data.chat_template import ChatTemplate, chat_ids
 from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.distributed.precision import compute_autocast
 from torchtitan.generation.engine import Completion
+from torchtitan.generation.sampling import SamplingConfig
 from torchtitan.log import logger
 from torchtitan.models.shared.seeded_init import canonical_name
+from torchtitan.rl.async_generation import GeneratorProcess
 from torchtitan.rl.reference import ReferenceModel
 from torchtitan.rl.rewards import RewardPool
 from torchtitan.rl.sampler import SAMPLERS, SamplerContext
@@ -113,6 +120,16 @@ def pack(sequences: list[tuple[list[int], Completion, float]], rows: int, seq_le
     return RolloutBatch(input_ids, labels, document_ids, positions, *fields.values())
 
 
+class BatchInputs(NamedTuple):
+    """What one batch of rollouts is generated from on this rank."""
+
+    step: int  # the step it is made for
+    index: int  # batches made before it
+    samples: list[dict]  # this rank's share of the step's prompts
+    prompts: list[list[int]]  # their token ids
+    sampling: SamplingConfig  # with the batch's seed
+
+
 class RolloutSource:
     """The trainer's iterator of micro-batches under training.objective = "grpo" (see the module docstring)."""
 
@@ -135,12 +152,15 @@ class RolloutSource:
         self.generates = self.share_group is None or dist.get_rank() == self.first
         self.pipeline = context.parallel_dims.pp_enabled
         self.metrics_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.sampler = self.rewards = None
+        self.sampler = self.rewards = self.generator = None
         if self.generates:
-            # The sampler computes as the trainer's forward does (FSDP's mixed precision included).
-            autocast = compute_autocast(cfg.training, context.device, fsdp_enabled=False)
-            self.sampler = SAMPLERS.get(rl.sampler)(SamplerContext(rl, context.build_local_model, context.device,
-                                                                   autocast, cfg))
+            if rl.max_staleness > 0:
+                self.generator = GeneratorProcess(cfg, context.device)  # starts while the trainer sets up
+            else:
+                # The sampler computes as the trainer's forward does (FSDP's mixed precision included).
+                autocast = compute_autocast(cfg.training, context.device, fsdp_enabled=False)
+                self.sampler = SAMPLERS.get(rl.sampler)(SamplerContext(rl, context.build_local_model, context.device,
+                                                                       autocast, cfg))
             try:
                 self.rewards = RewardPool(rl.rewards, rl.reward_weights, rl.reward_workers,
                                           rl.reward_timeout_seconds)
@@ -155,6 +175,10 @@ class RolloutSource:
         self.next_prompt = 0  # stream position of the next batch's first prompt
         self.batches = 0  # batches of rollouts made
         self.current: list[RolloutBatch] = []
+        # rl.max_staleness > 0: the batches requested from the generator and not yet received, and (step, index,
+        # stream position) of the next to request (None: the next batch is made for the step that asks for it).
+        self.requested: deque[BatchInputs] = deque()
+        self.next_request: tuple[int, int, int] | None = None
         self._metrics: dict[str, float] = {}
         self._last_end: float | None = None
 
@@ -168,8 +192,11 @@ class RolloutSource:
 
     def __next__(self) -> RolloutBatch:
         step, within = divmod(self.handed, self.accumulation)
-        if within == 0 and (step % self.rl.epochs_per_batch == 0 or not self.current):
-            self.current = self._make_batch(version=step)
+        if within == 0:
+            if self.rl.max_staleness > 0:
+                self._work_ahead(step)
+            if step % self.rl.epochs_per_batch == 0 or not self.current:
+                self.current = self._make_batch(step)
         self.handed += 1
         return self.current[within]
 
@@ -180,6 +207,11 @@ class RolloutSource:
     def load_state_dict(self, state: dict) -> None:
         self.handed, self.next_prompt, self.batches = state["handed"], state["next_prompt"], state["batches"]
         self.current = []  # a resume in the middle of a batch's epochs makes the next batch at once
+        if self.requested:  # rollouts in flight were for the old position: a new generator starts over
+            self.generator.close()
+            self.generator = GeneratorProcess(self.context.cfg, self.context.device)
+            self.requested.clear()
+        self.next_request = None
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -189,29 +221,60 @@ class RolloutSource:
             self.rewards.close()
         if self.sampler is not None:
             self.sampler.close()
+        if self.generator is not None:
+            self.generator.close()
 
     # ----- one batch of rollouts -----
 
-    def _make_batch(self, version: int) -> list[RolloutBatch]:
+    def _work_ahead(self, step: int) -> None:
+        """rl.max_staleness = k > 0, at the start of each step: send the generator the policy's weights (version
+        ``step``) and request every batch of a step up to step + k not yet requested."""
+        state = self._policy_state()
+        if self.generator is None:
+            return
+        self.generator.send_weights(state, step)
+        del state
+        if self.next_request is None:  # the run's first step, or the first after a resume: it makes a batch
+            self.next_request = (step, self.batches, self.next_prompt)
+        k, epochs = self.rl.max_staleness, self.rl.epochs_per_batch
+        while self.next_request[0] - k <= step:
+            inputs = self._inputs(*self.next_request)
+            self.generator.request(self._group_prompts(inputs), inputs.sampling, [self.tokenizer.eos_id],
+                                   min_version=max(0, inputs.step - k))
+            self.requested.append(inputs)
+            self.next_request = ((inputs.step // epochs + 1) * epochs, inputs.index + 1,
+                                 self.next_request[2] + self.rl.prompts_per_step)
+
+    def _make_batch(self, step: int) -> list[RolloutBatch]:
         start = time.perf_counter()
         update_seconds = start - self._last_end if self._last_end is not None else 0.0
-        # Every rank: gathering shards (and pipeline stages) is collective.
-        state = policy_state(self.context.model_parts, self.share_group if self.pipeline else None, self.first)
-        first = self.next_prompt + self.context.dp_rank * self.per_rank
-        samples = [self.prompts[first + i] for i in range(self.per_rank)]
-        self.next_prompt += self.rl.prompts_per_step
-        seed = (self.context.seed * 1_000_003 + self.batches * 1_009 + self.context.dp_rank) % (1 << 62)
-        self.batches += 1
         rows = self.rows * self.accumulation
+        if self.rl.max_staleness == 0:
+            state = self._policy_state()
         if self.generates:
-            self.sampler.load_weights(state, version)
-            del state
-            packed, stats = self._rollouts(samples, seed, rows, version)
+            if self.rl.max_staleness == 0:
+                inputs = self._inputs(step, self.batches, self.next_prompt)
+                self.sampler.load_weights(state, step)
+                del state
+                completions = self.sampler.generate(self._group_prompts(inputs), inputs.sampling,
+                                                    [self.tokenizer.eos_id])
+                version = step
+            else:
+                inputs = self.requested.popleft()
+                completions, version = self.generator.receive()
+                if (inputs.step, inputs.index) != (step, self.batches) or version < step - self.rl.max_staleness:
+                    raise DataError(f"rl: batch {inputs.index} (for step {inputs.step}) came from policy version "
+                                    f"{version}, but step {step} needs batch {self.batches} from version "
+                                    f"{step - self.rl.max_staleness} or newer (rl.max_staleness = "
+                                    f"{self.rl.max_staleness}): the generator process broke the staleness bound")
             generation_seconds = time.perf_counter() - start
+            packed, stats = self._score_and_pack(inputs, completions, rows, version)
         else:
             packed, stats = RolloutBatch(*(torch.empty(rows, self.seq_len, dtype=torch.long) for _ in range(4)),
                                          *(torch.empty(rows, self.seq_len) for _ in range(4))), None
             generation_seconds = 0.0
+        self.next_prompt += self.rl.prompts_per_step
+        self.batches += 1
         if self.share_group is not None:
             for tensor in packed:
                 dist.broadcast(tensor, src=self.first, group=self.share_group)
@@ -224,6 +287,11 @@ class RolloutSource:
         self._last_end = time.perf_counter()
         return micro
 
+    def _policy_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole policy on the generating rank (None on the others); every rank takes part: gathering shards
+        and pipeline stages is collective."""
+        return policy_state(self.context.model_parts, self.share_group if self.pipeline else None, self.first)
+
     def _on_device(self, batch: RolloutBatch) -> RolloutBatch:
         return RolloutBatch(*(t.to(self.context.device) for t in batch))
 
@@ -233,16 +301,25 @@ class RolloutSource:
         return chat_ids(self.tokenizer, self.template, [{"role": "user", "content": sample["prompt"]}],
                         add_generation_prompt=True)
 
-    def _rollouts(self, samples: list[dict], seed: int, rows: int, version: int):
-        group = self.rl.group_size
+    def _inputs(self, step: int, index: int, position: int) -> BatchInputs:
+        """Batch ``index``'s prompts on this rank (from stream ``position``) and its seed: (seed, batch, rank), so
+        rerunning a batch reproduces it."""
+        first = position + self.context.dp_rank * self.per_rank
+        samples = [self.prompts[first + i] for i in range(self.per_rank)]
         prompts = [self.prompt_ids(s) for s in samples]
         for prompt, sample in zip(prompts, samples):
             if len(prompt) >= self.seq_len:
                 raise DataError(f"rl: a prompt of {len(prompt)} tokens does not fit training.seq_len = "
                                 f"{self.seq_len} with room to answer: {sample['prompt'][:80]!r}")
-        sampling = dataclasses.replace(self.sampling, seed=seed)
-        stop = [self.tokenizer.eos_id]
-        completions = self.sampler.generate([p for p in prompts for _ in range(group)], sampling, stop)
+        seed = (self.context.seed * 1_000_003 + index * 1_009 + self.context.dp_rank) % (1 << 62)
+        return BatchInputs(step, index, samples, prompts, dataclasses.replace(self.sampling, seed=seed))
+
+    def _group_prompts(self, inputs: BatchInputs) -> list[list[int]]:
+        return [p for p in inputs.prompts for _ in range(self.rl.group_size)]
+
+    def _score_and_pack(self, inputs: BatchInputs, completions: list[Completion], rows: int, version: int):
+        """The completions scored, their groups' advantages, packed into ``rows`` rows; and the batch's statistics."""
+        group, samples, prompts, seed = self.rl.group_size, inputs.samples, inputs.prompts, inputs.sampling.seed
         texts = [self.tokenizer.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
                  for c in completions]
         scores = self.rewards.score(texts, [s for s in samples for _ in range(group)])
@@ -259,7 +336,7 @@ class RolloutSource:
         if packed is None:
             need = sum(len(prompts[g // group]) + len(c.tokens) - 1 for g, c in enumerate(completions))
             raise DataError(
-                f"rl: the rollouts of batch {self.batches - 1} ({len(sequences)} sequences, {need} positions) do not "
+                f"rl: the rollouts of batch {inputs.index} ({len(sequences)} sequences, {need} positions) do not "
                 f"fit this rank's {rows} rows of training.seq_len = {self.seq_len} (training.local_batch_size x "
                 "gradient accumulation); raise training.local_batch_size, training.global_batch_size or "
                 "training.seq_len, or lower rl.prompts_per_step, rl.group_size or rl.max_new_tokens")
@@ -272,34 +349,37 @@ class RolloutSource:
                                           dtype=torch.float64), "version": version}
         for name, error in scores.first_errors.items():
             logger.warning(f"rl: reward {name} failed on {scores.failures.get(name, 0)} of {len(texts)} completions "
-                           f"of batch {self.batches - 1} (scored 0), e.g.: {error}")
+                           f"of batch {inputs.index} (scored 0), e.g.: {error}")
         return packed, stats
 
     def _global_metrics(self, stats: dict | None, generation_seconds: float, update_seconds: float) -> dict:
-        """The batch's statistics over all data-parallel ranks (the first rank of each tensor-parallel group
-        counts)."""
+        """The batch's statistics over all data-parallel ranks (the first of the ranks sharing a batch counts)."""
         functions = len(self.rl.rewards)
+        # The longest completion and the oldest version, as maxima (of the version's negative).
         if stats is None:
             sums = torch.zeros(7 + 2 * functions, dtype=torch.float64)
-            longest = torch.zeros((), dtype=torch.float64)
+            maxima = torch.tensor([0.0, -float("inf")], dtype=torch.float64)
         else:
             r = stats["rewards"]
             sums = torch.cat([
                 torch.tensor([r.numel(), r.sum(), (r * r).sum(), stats["lengths"].sum(), stats["truncated"].sum(),
                               stats["groups"], stats["filtered"]], dtype=torch.float64),
                 stats["per_function"].sum(0), stats["failures"]])
-            longest = stats["lengths"].max()
+            maxima = torch.stack([stats["lengths"].max(), torch.tensor(-stats["version"], dtype=torch.float64)])
         if self.metrics_group is not None:
             # Every rank takes part; the ranks that only received their batch add zeros.
             dist.all_reduce(sums, group=self.metrics_group)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.metrics_group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.metrics_group)
+        longest, oldest = maxima[0].item(), -int(maxima[1].item())
+        policy_version = self.handed // self.accumulation
         n, total, squares, length, truncated, groups, filtered = sums[:7].tolist()
         mean = total / n
         metrics = {"reward_mean": mean, "reward_std": max(squares / n - mean * mean, 0.0) ** 0.5,
                    "completion_length_mean": length / n, "completion_length_max": float(longest),
                    "truncated_share": truncated / n, "filtered_groups": filtered, "groups": groups,
                    "generation_seconds": generation_seconds, "update_seconds": update_seconds,
-                   "policy_version": self.handed // self.accumulation}
+                   "policy_version": policy_version, "sampler_version": oldest,
+                   "staleness": policy_version - oldest}
         for name, value, failures in zip(self.rl.rewards, sums[7:7 + functions].tolist(),
                                          sums[7 + functions:].tolist()):
             metrics[f"reward/{name}"] = value / n
