@@ -5,7 +5,9 @@
 - sampler "replay": an outside sampler implementing the interface (rl/sampler.py) from such a file: every batch's
   completions as recorded, whatever the weights (fixed rollouts, for comparing layouts);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
-  of an untrained model's completions are informative.
+  of an untrained model's completions are informative;
+- reward "odd_length": 1 or 0 by the parity of the completion's length, a stand-in for "right or wrong" that an
+  untrained model's completions score both ways (held-out pass@k, scripts/rl_eval.py).
 """
 
 import json
@@ -79,8 +81,14 @@ def text_shape(completion: str, sample: dict) -> float:
     return (len(completion) % 5) / 4 + 0.25 * sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
 
 
+def odd_length(completion: str, sample: dict) -> float:
+    return float(len(completion) % 2 == 1)
+
+
 if "recording" not in SAMPLERS:
     SAMPLERS.register("recording", RecordingSampler)
     SAMPLERS.register("replay", ReplaySampler)
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
+if "odd_length" not in REWARDS:
+    register_reward("odd_length", odd_length)
