@@ -14,7 +14,9 @@
   it records and sleeps as "digesting" does (the digest of the state it was sent);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
   of an untrained model's completions are informative; "slow_text_shape": the same after sleeping
-  $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion.
+  $TORCHTITAN_TEST_REWARD_SLEEP seconds (default 0.05) per completion;
+- reward "odd_length": 1 or 0 by the parity of the completion's length, a stand-in for "right or wrong" that an
+  untrained model's completions score both ways (held-out pass@k, scripts/rl_eval.py).
 """
 
 import hashlib
@@ -152,6 +154,10 @@ def slow_text_shape(completion: str, sample: dict) -> float:
     return text_shape(completion, sample)
 
 
+def odd_length(completion: str, sample: dict) -> float:
+    return float(len(completion) % 2 == 1)
+
+
 if "replay" not in SAMPLERS:
     SAMPLERS.register("replay", ReplaySampler)
     SAMPLERS.register("digesting", DigestingSampler)
@@ -159,3 +165,4 @@ if "replay" not in SAMPLERS:
 if "text_shape" not in REWARDS:
     register_reward("text_shape", text_shape)
     register_reward("slow_text_shape", slow_text_shape)
+    register_reward("odd_length", odd_length)

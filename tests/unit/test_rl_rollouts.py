@@ -132,7 +132,7 @@ def _grpo(tmp_path, *flags):
     (["--rl.group_size", "1"], "rl.group_size = 1 is invalid; it must be >= 2"),
     (["--rl.temperature", "0"], "rl.temperature = 0.0 is invalid; rollouts are sampled"),
     (["--rl.max_new_tokens", "256"], "rl.max_new_tokens = 256 is invalid; it must be in [1, training.seq_len = 256)"),
-    (["--rl.sampler", "vllm"], "rl.sampler = 'vllm' names no registered sampler; registered: engine"),
+    (["--rl.sampler", "vllm"], "rl.sampler = 'vllm' names no registered sampler; registered: "),
     (["--model.attention_mask", "causal"], "model.attention_mask = 'causal' must be 'block_causal' or 'auto'"),
     (["--checkpoint.interval", "3", "--rl.epochs_per_batch", "2"], "must be a multiple of rl.epochs_per_batch = 2"),
     (["--rl.rewards", "no_such_reward"], "rl.rewards"),

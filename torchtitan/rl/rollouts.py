@@ -36,7 +36,7 @@ from torchtitan.components.objectives.objective import DataSourceContext
 from torchtitan.config import ConfigError
 from torchtitan.config.job_config import RL
 from torchtitan.data import DataError
-from torchtitan.data.chat_template import ChatTemplate, chat_ids
+from torchtitan.data.chat_template import ChatTemplate
 from torchtitan.data.dataset import IGNORE_INDEX
 from torchtitan.distributed.precision import compute_autocast
 from torchtitan.generation.engine import Completion
@@ -47,7 +47,7 @@ from torchtitan.rl.async_generation import GeneratorProcess
 from torchtitan.rl.reference import ReferenceModel
 from torchtitan.rl.rewards import RewardPool
 from torchtitan.rl.sampler import SAMPLERS, SamplerContext
-from torchtitan.rl.tasks import build_prompt_source
+from torchtitan.rl.tasks import build_prompt_source, prompt_ids
 
 
 def policy_state(model_parts: list[torch.nn.Module], group: dist.ProcessGroup | None = None,
@@ -296,10 +296,7 @@ class RolloutSource:
         return RolloutBatch(*(t.to(self.context.device) for t in batch))
 
     def prompt_ids(self, sample: dict) -> list[int]:
-        if self.template is None:
-            return self.tokenizer.encode(sample["prompt"], bos=True)
-        return chat_ids(self.tokenizer, self.template, [{"role": "user", "content": sample["prompt"]}],
-                        add_generation_prompt=True)
+        return prompt_ids(self.tokenizer, self.template, sample["prompt"])
 
     def _inputs(self, step: int, index: int, position: int) -> BatchInputs:
         """Batch ``index``'s prompts on this rank (from stream ``position``) and its seed: (seed, batch, rank), so

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from torchtitan.data import arithmetic
+from torchtitan.data.chat_template import ChatTemplate, chat_ids
 from torchtitan.data.errors import DataError
 from torchtitan.data.sources import LocalFiles
 from torchtitan.log import one_line
@@ -45,6 +46,7 @@ from torchtitan.remote import is_url, url_problem
 
 if TYPE_CHECKING:
     from torchtitan.config.job_config import RL
+    from torchtitan.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "heldout")
 # The splits of a DatasetDict that serve as "heldout", in order of preference.
@@ -178,6 +180,15 @@ def build_prompt_source(rl: RL, seed: int, split: str = "train") -> PromptSource
         return TASKS.get(rl.prompts)(split, seed)
     rows, locate = _path_rows(rl.prompts_path, split, rl.prompt_column)
     return PromptSource(rows, seed, f"rl.prompts_path {rl.prompts_path!r} ({split})", rl.prompt_column, locate)
+
+
+def prompt_ids(tokenizer: Tokenizer, template: ChatTemplate | None, prompt: str) -> list[int]:
+    """The token ids the policy completes for ``prompt``: with a chat template (rl.chat), the prompt as a user message
+    rendered up to where the assistant answers; without, BOS and the text. The trainer's rollouts and held-out
+    evaluation (scripts/rl_eval.py) both render prompts here, so they ask the same question."""
+    if template is None:
+        return tokenizer.encode(prompt, bos=True)
+    return chat_ids(tokenizer, template, [{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 def config_problems(rl: RL) -> list[tuple[str, str]]:
