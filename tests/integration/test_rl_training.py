@@ -149,6 +149,9 @@ def test_the_sampler_gets_the_whole_policy_from_sharded_layouts(debug_runs, layo
     for key in ("rl/reward_mean", "rl/reward_std", "rl/completion_length_mean", "rl/truncated_share"):
         assert ours[key] == single[key], key
     assert ours["rl/mismatch_abs"] < 1e-6
+    # One reward function: its own mean and std are the total's.
+    assert ours["rl/reward/text_shape"] == pytest.approx(ours["rl/reward_mean"])
+    assert ours["rl/reward_std/text_shape"] == pytest.approx(ours["rl/reward_std"]) and ours["rl/reward_std"] > 0
 
 
 @pytest.mark.slow

@@ -354,14 +354,14 @@ class RolloutSource:
         functions = len(self.rl.rewards)
         # The longest completion and the oldest version, as maxima (of the version's negative).
         if stats is None:
-            sums = torch.zeros(7 + 2 * functions, dtype=torch.float64)
+            sums = torch.zeros(7 + 3 * functions, dtype=torch.float64)
             maxima = torch.tensor([0.0, -float("inf")], dtype=torch.float64)
         else:
             r = stats["rewards"]
             sums = torch.cat([
                 torch.tensor([r.numel(), r.sum(), (r * r).sum(), stats["lengths"].sum(), stats["truncated"].sum(),
                               stats["groups"], stats["filtered"]], dtype=torch.float64),
-                stats["per_function"].sum(0), stats["failures"]])
+                stats["per_function"].sum(0), (stats["per_function"] ** 2).sum(0), stats["failures"]])
             maxima = torch.stack([stats["lengths"].max(), torch.tensor(-stats["version"], dtype=torch.float64)])
         if self.metrics_group is not None:
             # Every rank takes part; the ranks that only received their batch add zeros.
@@ -377,8 +377,9 @@ class RolloutSource:
                    "generation_seconds": generation_seconds, "update_seconds": update_seconds,
                    "policy_version": policy_version, "sampler_version": oldest,
                    "staleness": policy_version - oldest}
-        for name, value, failures in zip(self.rl.rewards, sums[7:7 + functions].tolist(),
-                                         sums[7 + functions:].tolist()):
+        values, squares, failures = sums[7:].view(3, functions).tolist()
+        for name, value, square, failed in zip(self.rl.rewards, values, squares, failures):
             metrics[f"reward/{name}"] = value / n
-            metrics[f"reward_failures/{name}"] = failures
+            metrics[f"reward_std/{name}"] = max(square / n - (value / n) ** 2, 0.0) ** 0.5
+            metrics[f"reward_failures/{name}"] = failed
         return metrics
