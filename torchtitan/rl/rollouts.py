@@ -3,7 +3,7 @@
 For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
 1. The sampler gets the policy's current weights (full tensors gathered from any layout) and its version, the number
    of optimizer steps behind them. With ``rl.max_staleness = k > 0`` a generator process works ahead instead, from
-   weights up to k versions old, sent to it after every step (async_generation.py); only step 1 differs below.
+   weights up to k versions old, sent to it after every step (async_generation.py); the rest is the same.
 2. Each data-parallel rank takes its share of the step's ``rl.prompts_per_step`` prompts (a stream position, the same
    on every rank), and samples ``rl.group_size`` completions of each, seeded by (debug.seed, batch, rank): rerunning
    a batch reproduces it. Under tensor parallelism the first rank of each group generates and the others receive
@@ -179,7 +179,7 @@ class RolloutSource:
         self.current = []  # a resume in the middle of a batch's epochs makes the next batch at once
         if self.requested:  # rollouts in flight were for the old position: a new generator starts over
             self.generator.close()
-            self.generator = GeneratorProcess(self.context.cfg, self.context.device)
+            self.generator = GeneratorProcess(self.context.cfg, self.context.device, self.generator.threads)
             self.requested.clear()
         self.next_request = None
 
