@@ -5,7 +5,6 @@ the generator from the loaded weights, and the generator neither hangs the train
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -78,7 +77,8 @@ def slow_generator(tmp_path_factory):
     digests = rows(folder / "digests.jsonl")
     metrics = rows(folder / "metrics.jsonl")
     os.rename(folder / "digests.jsonl", folder / "digests_first.jsonl")
-    resumed = train(folder, "--training.steps", "6", "--checkpoint.interval", "1", "--rl.rewards", "text_shape", env=env)
+    resumed = train(folder, "--training.steps", "6", "--checkpoint.interval", "1", "--rl.rewards", "text_shape",
+                    env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return folder, digests, metrics, rows(folder / "digests.jsonl"), rows(folder / "metrics.jsonl")
 
@@ -191,7 +191,8 @@ time.sleep(600)
     trainer.kill()
     trainer.wait()
     for pid, folder in ((idle_pid, idle_folder), (busy_pid, busy_folder)):
-        assert wait_until(lambda: not alive(int(pid)) and not Path(folder).exists(), 10), (pid, folder)
+        assert wait_until(lambda pid=pid, folder=folder: not alive(int(pid)) and not Path(folder).exists(), 10), \
+            (pid, folder)
 
 
 @pytest.mark.slow

@@ -106,6 +106,15 @@ class BatchInputs(NamedTuple):
     sampling: SamplingConfig  # with the batch's seed
 
 
+def check_staleness(inputs: BatchInputs, step: int, index: int, version: int, max_staleness: int) -> None:
+    """The bound of asynchronous GRPO: the batch received from the generator is batch ``index``, made for ``step``,
+    and comes from policy version step - max_staleness or newer; DataError otherwise."""
+    if (inputs.step, inputs.index) != (step, index) or version < step - max_staleness:
+        raise DataError(f"rl: batch {inputs.index} (for step {inputs.step}) came from policy version {version}, but "
+                        f"step {step} needs batch {index} from version {step - max_staleness} or newer "
+                        f"(rl.max_staleness = {max_staleness}): the generator process broke the staleness bound")
+
+
 class RolloutSource:
     """The trainer's iterator of micro-batches under training.objective = "grpo" (see the module docstring)."""
 
@@ -232,11 +241,7 @@ class RolloutSource:
             else:
                 inputs = self.requested.popleft()
                 completions, version = self.generator.receive()
-                if (inputs.step, inputs.index) != (step, self.batches) or version < step - self.rl.max_staleness:
-                    raise DataError(f"rl: batch {inputs.index} (for step {inputs.step}) came from policy version "
-                                    f"{version}, but step {step} needs batch {self.batches} from version "
-                                    f"{step - self.rl.max_staleness} or newer (rl.max_staleness = "
-                                    f"{self.rl.max_staleness}): the generator process broke the staleness bound")
+                check_staleness(inputs, step, self.batches, version, self.rl.max_staleness)
             generation_seconds = time.perf_counter() - start
             packed, stats = self._score_and_pack(inputs, completions, rows, version)
         else:
