@@ -133,15 +133,18 @@ def test_with_a_slow_trainer_the_generator_works_ahead_but_no_further_than_allow
 
 
 @pytest.mark.slow
-def test_a_failure_in_the_generator_ends_the_run_with_one_line(tmp_path):
+@pytest.mark.parametrize("variable, error", [
+    ("TORCHTITAN_TEST_GENERATE_FAIL", "generating a batch from policy version 0: ValueError: this prompt breaks it"),
+    ("TORCHTITAN_TEST_SAMPLER_FAIL", "building rl.sampler = 'digesting': RuntimeError: this prompt breaks it"),
+])
+def test_a_failure_in_the_generator_ends_the_run_with_one_line(tmp_path, variable, error):
     result = train(tmp_path, "--training.steps", "2", "--checkpoint.no_enable", "--rl.rewards", "text_shape",
-                   env={"TORCHTITAN_TEST_GENERATE_FAIL": "this prompt breaks the engine"})
+                   env={variable: "this prompt breaks it"})
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: rl: the generator process failed: generating a batch from policy version 0: ValueError: this prompt "
-        "breaks the engine")
-    assert_generators_ended(rows(tmp_path / "digests.jsonl"))
+    assert result.stderr.strip().splitlines()[-1] == f"error: rl: the generator process failed: {error}"
+    if variable == "TORCHTITAN_TEST_GENERATE_FAIL":  # it loaded weights: its pid is known
+        assert_generators_ended(rows(tmp_path / "digests.jsonl"))
 
 
 # A process holding generator processes of the "echo" sampler (no model), as a trainer holds its generator.
@@ -208,13 +211,26 @@ for _ in range(2):  # asked for nothing, it answers nothing: the wait ends at co
         print(type(e).__name__, e, flush=True)
     g.process.kill()
 g.close()
+# One whose sampler failed to build and that exited before the trainer's next send: the send reports its reason.
+import os
+os.environ["TORCHTITAN_TEST_SAMPLER_FAIL"] = "no engine here"
+cfg.rl.sampler = "digesting"
+g = GeneratorProcess(cfg, "cpu")
+g.process.wait()
+try:
+    g.send_weights({}, 0)
+except Exception as e:
+    print(type(e).__name__, e, flush=True)
+g.close()
 """)
     out, _ = trainer.communicate(timeout=120)
-    first, timed_out, died = out.splitlines()
+    first, timed_out, died, failed = out.splitlines()
     pid, folder = first.split()
     assert timed_out == (f"DataError rl: the generator process (pid {pid}) answered no batch within "
                          "comm.init_timeout_seconds = 1 s; raise it if generating a batch takes that long")
     assert died == f"DataError rl: the generator process (pid {pid}) exited (code -9) with batches outstanding"
+    assert failed == ("DataError rl: the generator process failed: building rl.sampler = 'digesting': RuntimeError: "
+                      "no engine here")
     assert not alive(int(pid)) and not Path(folder).exists()
 
 

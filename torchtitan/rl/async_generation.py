@@ -150,12 +150,7 @@ class GeneratorProcess:
         if not wait([self.conn], timeout=self.timeouts[field]):
             raise DataError(f"rl: the generator process (pid {self.process.pid}) answered no batch within "
                             f"{field} = {self.timeouts[field]} s; raise it if generating a batch takes that long")
-        try:
-            kind, *content = self.conn.recv()
-        except (EOFError, OSError):
-            raise DataError(self._exited()) from None
-        if kind == "error":
-            raise DataError(f"rl: the generator process failed: {content[0]}")
+        kind, *content = self._recv()
         self.answered += 1
         completions, version = content
         return completions, version
@@ -176,8 +171,20 @@ class GeneratorProcess:
     def _send(self, message) -> None:
         try:
             self.conn.send(message)
-        except OSError:
+        except OSError:  # it exited: with the reason it sent, if any
+            if self.conn.poll():
+                self._recv()
             raise DataError(self._exited()) from None
+
+    def _recv(self) -> tuple:
+        """The generator's next message; DataError if it is a failure or the generator is gone."""
+        try:
+            kind, *content = self.conn.recv()
+        except (EOFError, OSError):
+            raise DataError(self._exited()) from None
+        if kind == "error":
+            raise DataError(f"rl: the generator process failed: {content[0]}")
+        return kind, *content
 
     def _exited(self) -> str:
         try:
