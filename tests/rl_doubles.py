@@ -9,7 +9,7 @@
 - sampler "digesting": the engine sampler that, after every load_weights, appends {version, pid, trainer (its parent's
   pid), digest (of its model's state: `state_digest`)} to the JSON-lines file $TORCHTITAN_TEST_DIGESTS, and sleeps
   $TORCHTITAN_TEST_GENERATE_SLEEP seconds per generate (default 0); with $TORCHTITAN_TEST_GENERATE_FAIL set,
-  generate raises that text;
+  generate raises that text (ValueError), with $TORCHTITAN_TEST_SAMPLER_FAIL set, building it does (RuntimeError);
 - sampler "echo": completes every prompt with the prompt's own tokens, no model (large answers, for the transport);
   it records and sleeps as "digesting" does (the digest of the state it was sent);
 - reward "text_shape": a reward that varies with the completion's text (its length and characters), so the groups
@@ -60,6 +60,11 @@ def _before_generating() -> None:
 
 
 class DigestingSampler(EngineSampler):
+    def __init__(self, context):
+        if failure := os.environ.get("TORCHTITAN_TEST_SAMPLER_FAIL"):
+            raise RuntimeError(failure)
+        super().__init__(context)
+
     def load_weights(self, state, version):
         super().load_weights(state, version)
         _record_weights(version, self.engine.model.state_dict())

@@ -5,7 +5,6 @@ the generator from the loaded weights, and the generator neither hangs the train
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -78,7 +77,8 @@ def slow_generator(tmp_path_factory):
     digests = rows(folder / "digests.jsonl")
     metrics = rows(folder / "metrics.jsonl")
     os.rename(folder / "digests.jsonl", folder / "digests_first.jsonl")
-    resumed = train(folder, "--training.steps", "6", "--checkpoint.interval", "1", "--rl.rewards", "text_shape", env=env)
+    resumed = train(folder, "--training.steps", "6", "--checkpoint.interval", "1", "--rl.rewards", "text_shape",
+                    env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return folder, digests, metrics, rows(folder / "digests.jsonl"), rows(folder / "metrics.jsonl")
 
@@ -134,13 +134,13 @@ def test_with_a_slow_trainer_the_generator_works_ahead_but_no_further_than_allow
 
 @pytest.mark.slow
 def test_a_failure_in_the_generator_ends_the_run_with_one_line(tmp_path):
+    # (A sampler that fails to build: test_a_silent_or_dead_generator_is_one_line_not_a_hang.)
     result = train(tmp_path, "--training.steps", "2", "--checkpoint.no_enable", "--rl.rewards", "text_shape",
-                   env={"TORCHTITAN_TEST_GENERATE_FAIL": "this prompt breaks the engine"})
+                   env={"TORCHTITAN_TEST_GENERATE_FAIL": "this prompt breaks it"})
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: rl: the generator process failed: generating a batch from policy version 0: ValueError: this prompt "
-        "breaks the engine")
+    assert result.stderr.strip().splitlines()[-1] == ("error: rl: the generator process failed: generating a batch "
+                                                      "from policy version 0: ValueError: this prompt breaks it")
     assert_generators_ended(rows(tmp_path / "digests.jsonl"))
 
 
@@ -191,7 +191,8 @@ time.sleep(600)
     trainer.kill()
     trainer.wait()
     for pid, folder in ((idle_pid, idle_folder), (busy_pid, busy_folder)):
-        assert wait_until(lambda: not alive(int(pid)) and not Path(folder).exists(), 10), (pid, folder)
+        assert wait_until(lambda pid=pid, folder=folder: not alive(int(pid)) and not Path(folder).exists(), 10), \
+            (pid, folder)
 
 
 @pytest.mark.slow
@@ -207,13 +208,26 @@ for _ in range(2):  # asked for nothing, it answers nothing: the wait ends at co
         print(type(e).__name__, e, flush=True)
     g.process.kill()
 g.close()
+# One whose sampler failed to build and that exited before the trainer's next send: the send reports its reason.
+import os
+os.environ["TORCHTITAN_TEST_SAMPLER_FAIL"] = "no engine here"
+cfg.rl.sampler = "digesting"
+g = GeneratorProcess(cfg, "cpu")
+g.process.wait()
+try:
+    g.send_weights({}, 0)
+except Exception as e:
+    print(type(e).__name__, e, flush=True)
+g.close()
 """)
     out, _ = trainer.communicate(timeout=120)
-    first, timed_out, died = out.splitlines()
+    first, timed_out, died, failed = out.splitlines()
     pid, folder = first.split()
     assert timed_out == (f"DataError rl: the generator process (pid {pid}) answered no batch within "
                          "comm.init_timeout_seconds = 1 s; raise it if generating a batch takes that long")
     assert died == f"DataError rl: the generator process (pid {pid}) exited (code -9) with batches outstanding"
+    assert failed == ("DataError rl: the generator process failed: building rl.sampler = 'digesting': RuntimeError: "
+                      "no engine here")
     assert not alive(int(pid)) and not Path(folder).exists()
 
 
@@ -224,7 +238,7 @@ def test_large_requests_and_answers_cross_without_blocking_each_other():
     trainer = run_generators("""
 g = GeneratorProcess(cfg, "cpu")
 g.send_weights({}, 0)
-prompts = [[1000 + i] * 1_000_000 for i in range(3)]
+prompts = [[1000 + i] * 300_000 for i in range(3)]
 g.request([prompts[0]], SamplingConfig(), [0], min_version=0)
 wait([g.conn])  # the generator is sending its answer, larger than the socket's buffer: it waits on this process
 for prompt in prompts[1:]:

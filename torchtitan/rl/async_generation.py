@@ -34,6 +34,13 @@ regenerates from the saved stream position: the same prompts and seeds as the st
 batch comes from depend on timing, so a resumed asynchronous run is not bitwise the straight one (a synchronous run
 is).
 
+On a CPU device the trainer and the generator compute on the same cores: each takes half of the trainer's threads
+(torch.set_num_threads), since two processes with a thread per core wait on each other's descheduled threads
+(measured on 2 busy cores: steps 3 to 10 times slower). The overlap only pays where the generator has compute the
+trainer leaves idle (idle cores; on a GPU, the time the trainer spends on the host). The generator runs on its
+trainer's device: separate generation devices are not supported yet. Weights travel through host memory: on a GPU
+each step copies the whole state to the host and back.
+
 Shutdown and failures: RolloutSource.close stops the generator (a stop message after its current batch; killed
 after 10 s); a generator whose trainer died exits within a second and removes the weight files. A failure in the
 generator (building the sampler, a generation), its death, or its silence reaches the trainer as one line
@@ -63,7 +70,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.precision import compute_autocast
 from torchtitan.generation.engine import Completion
 from torchtitan.hardware import DTYPES
-from torchtitan.log import one_line
+from torchtitan.log import logger, one_line
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 from torchtitan.rl.rewards import exit_with_parent
@@ -94,7 +101,9 @@ def whole_model(cfg, device: torch.device) -> nn.Module:
 class GeneratorProcess:
     """The trainer's end of one generator process (see the module docstring); ``close`` ends it."""
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, threads: int | None = None):
+        """``threads``: on a CPU device, the threads of each process (default: half this process's, which it then
+        keeps too)."""
         shm = "/dev/shm"
         self.folder = tempfile.mkdtemp(prefix=f"torchtitan-rl-weights-{os.getpid()}-",
                                        dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
@@ -112,7 +121,14 @@ class GeneratorProcess:
                          "comm.train_timeout_seconds": cfg.comm.train_timeout_seconds}
         self.answered = 0
         self.weight_files: list[str] = []
-        self._send((cfg, str(device), self.folder))
+        self.threads = None
+        if torch.device(device).type == "cpu":
+            # Both processes compute on the same cores: half of them each. Each with threads for every core, the
+            # two wait on each other's descheduled threads (measured: steps several times slower).
+            self.threads = threads or max(1, torch.get_num_threads() // 2)
+            torch.set_num_threads(self.threads)
+            logger.info(f"rl: the trainer and its generator process share the CPU cores: {self.threads} threads each")
+        self._send((cfg, str(device), self.folder, self.threads))
 
     def send_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """The policy's full state at ``version`` (name -> full tensor on any device)."""
@@ -134,12 +150,7 @@ class GeneratorProcess:
         if not wait([self.conn], timeout=self.timeouts[field]):
             raise DataError(f"rl: the generator process (pid {self.process.pid}) answered no batch within "
                             f"{field} = {self.timeouts[field]} s; raise it if generating a batch takes that long")
-        try:
-            kind, *content = self.conn.recv()
-        except (EOFError, OSError):
-            raise DataError(self._exited()) from None
-        if kind == "error":
-            raise DataError(f"rl: the generator process failed: {content[0]}")
+        kind, *content = self._recv()
         self.answered += 1
         completions, version = content
         return completions, version
@@ -160,8 +171,20 @@ class GeneratorProcess:
     def _send(self, message) -> None:
         try:
             self.conn.send(message)
-        except OSError:
+        except OSError:  # it exited: with the reason it sent, if any
+            if self.conn.poll():
+                self._recv()
             raise DataError(self._exited()) from None
+
+    def _recv(self) -> tuple:
+        """The generator's next message; DataError if it is a failure or the generator is gone."""
+        try:
+            kind, *content = self.conn.recv()
+        except (EOFError, OSError):
+            raise DataError(self._exited()) from None
+        if kind == "error":
+            raise DataError(f"rl: the generator process failed: {content[0]}")
+        return kind, *content
 
     def _exited(self) -> str:
         try:
@@ -181,14 +204,14 @@ def serve(fd: int, trainer: int) -> None:
     for sig in (signal.SIGINT, *STOP_SIGNALS):
         signal.signal(sig, signal.SIG_IGN)
     conn = Connection(fd)
-    cfg, device, folder = conn.recv()
+    cfg, device, folder, threads = conn.recv()
     # The trainer's pid, not getppid(): a trainer that died while this process started is its parent no more.
     threading.Thread(target=exit_with_parent, args=(trainer, partial(shutil.rmtree, folder, True)),
                      daemon=True).start()
     sampler = None
     try:
         try:
-            sampler = _build_sampler(cfg, torch.device(device))
+            sampler = _build_sampler(cfg, torch.device(device), threads)
         except Exception as e:  # whatever the sampler's or a custom module's code raises: the trainer reports it
             conn.send(("error", f"building rl.sampler = {cfg.rl.sampler!r}: {one_line(e)}"))
             return
@@ -200,14 +223,13 @@ def serve(fd: int, trainer: int) -> None:
             sampler.close()
 
 
-def _build_sampler(cfg, device: torch.device):
+def _build_sampler(cfg, device: torch.device, threads: int | None):
     for module in filter(None, (m.strip() for m in cfg.experimental.custom_import.split(","))):
         importlib.import_module(module)  # test doubles and users' samplers register there
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    elif device.type == "cpu":
-        # The trainer computes on the same cores: half of them each, not both processes' threads on every core.
-        torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+    if threads is not None:
+        torch.set_num_threads(threads)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True)
     autocast = compute_autocast(cfg.training, device, fsdp_enabled=False)

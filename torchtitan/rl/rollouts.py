@@ -3,7 +3,7 @@
 For every batch of rollouts (one per ``rl.epochs_per_batch`` optimizer steps):
 1. The sampler gets the policy's current weights (full tensors gathered from any layout) and its version, the number
    of optimizer steps behind them. With ``rl.max_staleness = k > 0`` a generator process works ahead instead, from
-   weights up to k versions old, sent to it after every step (async_generation.py); only step 1 differs below.
+   weights up to k versions old, sent to it after every step (async_generation.py); the rest is the same.
 2. Each data-parallel rank takes its share of the step's ``rl.prompts_per_step`` prompts (a stream position, the same
    on every rank), and samples ``rl.group_size`` completions of each, seeded by (debug.seed, batch, rank): rerunning
    a batch reproduces it. Of the ranks that share a batch (tensor, pipeline, context parallel peers) the first
@@ -130,6 +130,15 @@ class BatchInputs(NamedTuple):
     sampling: SamplingConfig  # with the batch's seed
 
 
+def check_staleness(inputs: BatchInputs, step: int, index: int, version: int, max_staleness: int) -> None:
+    """The bound of asynchronous GRPO: the batch received from the generator is batch ``index``, made for ``step``,
+    and comes from policy version step - max_staleness or newer; DataError otherwise."""
+    if (inputs.step, inputs.index) != (step, index) or version < step - max_staleness:
+        raise DataError(f"rl: batch {inputs.index} (for step {inputs.step}) came from policy version {version}, but "
+                        f"step {step} needs batch {index} from version {step - max_staleness} or newer "
+                        f"(rl.max_staleness = {max_staleness}): the generator process broke the staleness bound")
+
+
 class RolloutSource:
     """The trainer's iterator of micro-batches under training.objective = "grpo" (see the module docstring)."""
 
@@ -209,7 +218,7 @@ class RolloutSource:
         self.current = []  # a resume in the middle of a batch's epochs makes the next batch at once
         if self.requested:  # rollouts in flight were for the old position: a new generator starts over
             self.generator.close()
-            self.generator = GeneratorProcess(self.context.cfg, self.context.device)
+            self.generator = GeneratorProcess(self.context.cfg, self.context.device, self.generator.threads)
             self.requested.clear()
         self.next_request = None
 
@@ -262,11 +271,7 @@ class RolloutSource:
             else:
                 inputs = self.requested.popleft()
                 completions, version = self.generator.receive()
-                if (inputs.step, inputs.index) != (step, self.batches) or version < step - self.rl.max_staleness:
-                    raise DataError(f"rl: batch {inputs.index} (for step {inputs.step}) came from policy version "
-                                    f"{version}, but step {step} needs batch {self.batches} from version "
-                                    f"{step - self.rl.max_staleness} or newer (rl.max_staleness = "
-                                    f"{self.rl.max_staleness}): the generator process broke the staleness bound")
+                check_staleness(inputs, step, self.batches, version, self.rl.max_staleness)
             generation_seconds = time.perf_counter() - start
             packed, stats = self._score_and_pack(inputs, completions, rows, version)
         else:
