@@ -74,7 +74,7 @@ def test_generate_refuses_a_number_out_of_range_while_parsing(flags, valid, caps
 
 
 SCRIPTS = ["convert_from_hf", "convert_to_hf", "download_hf_assets", "evaluate", "generate", "generate_config",
-           "gpu_check", "plan", "tokenize_dataset", "train_tokenizer"]
+           "gpu_check", "plan", "rl_eval", "tokenize_dataset", "train_tokenizer"]
 NOT_SCRIPTS = {"gpu_check_parts"}  # the GPU check's parts, a module of gpu_check.py
 
 
@@ -110,7 +110,7 @@ NUMBERS = {"evaluate": ("limit", "num_fewshot", "batch_size"), "gpu_check": ("bu
            "generate": ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "cache_budget_bytes",
                         "prefill_chunk", "tp", "ep"),
            "plan": ("world_size", "efficiency", "vocab_size", "generate_batch", "generate_length"), "tokenize_dataset": ("workers", "shard_tokens"),
-           "train_tokenizer": ("vocab_size",),
+           "train_tokenizer": ("vocab_size",), "rl_eval": ("samples", "temperature", "limit", "seed"),
            "generate_config": ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                                "ffn_dim_multiplier", "nodes", "gpus_per_node", "global_batch_size", "seq_len",
                                "local_batch_size", "tokens", "tp", "pp", "dp_shard")}
