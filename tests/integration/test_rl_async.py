@@ -248,7 +248,7 @@ g.close()
 print([(c[0].tokens == p, version) for (c, version), p in zip(answers, prompts)])
 """)
     try:
-        out, _ = trainer.communicate(timeout=30)
+        out, _ = trainer.communicate(timeout=120)  # a deadlock hangs for ever; a busy machine can take tens of seconds
     finally:
         trainer.kill()
     assert out.strip() == str([(True, 0)] * 3)
