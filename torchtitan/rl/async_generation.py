@@ -53,9 +53,7 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 from collections import deque
@@ -73,7 +71,7 @@ from torchtitan.hardware import DTYPES
 from torchtitan.log import logger, one_line
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
-from torchtitan.rl.rewards import exit_with_parent
+from torchtitan.rl.rewards import exit_with_parent, start_child
 from torchtitan.rl.sampler import SAMPLERS, SamplerContext
 from torchtitan.stop_signals import STOP_SIGNALS
 
@@ -107,16 +105,7 @@ class GeneratorProcess:
         shm = "/dev/shm"
         self.folder = tempfile.mkdtemp(prefix=f"torchtitan-rl-weights-{os.getpid()}-",
                                        dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
-        ours, theirs = socket.socketpair()
-        # The trainer's sys.path first: the generator imports this module and the custom ones from where it did.
-        code = (f"import sys; sys.path[:0] = {sys.path!r}; from torchtitan.rl.async_generation import serve; "
-                f"serve({theirs.fileno()}, {os.getpid()})")
-        try:
-            self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
-                                            stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
+        self.process, self.conn = start_child("torchtitan.rl.async_generation", "serve", os.getpid())
         self.timeouts = {"comm.init_timeout_seconds": cfg.comm.init_timeout_seconds,
                          "comm.train_timeout_seconds": cfg.comm.train_timeout_seconds}
         self.answered = 0
