@@ -7,6 +7,12 @@
 
 A family changes the frequencies (Llama 3.1 scaling, YaRN) by handing ``rope_table`` other ones;
 positions that restart per document go through ``apply_rope``'s ``positions``.
+
+Multimodal RoPE (M-RoPE: Qwen3-VL, Qwen3.5) gives each token three positions, temporal, height and width, and
+each frequency reads one of them. ``mrope_streams`` says which ("interleaved": frequency i takes stream i mod 3
+while i < 3 x that stream's section, the temporal stream otherwise), and ``apply_rope`` takes positions per
+frequency, (batch, seq, head_dim/2), as ``positions[..., streams]``. Looked up in the same table, a token whose
+three positions are equal rotates exactly as under one position, so a text-only batch is bitwise the text model's.
 """
 
 import math
@@ -81,12 +87,33 @@ class _Rotate(torch.autograd.Function):
         return _rotate(grad, cos, -sin, ctx.convention), None, None, None
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, convention: RopeConvention) -> torch.Tensor:
+    """Rotate x (..., head_dim) by angles given as their cos and sin (..., head_dim/2), broadcast against x."""
+    return _Rotate.apply(x, cos, sin, convention)
+
+
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, convention: RopeConvention = "pairs",
                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x (batch, seq, heads, head_dim) by the table ``rope`` at positions 0..seq-1, or at
-    ``positions`` (batch, seq) when given (e.g. restarting at each packed document)."""
+    ``positions`` (batch, seq) when given (e.g. restarting at each packed document), or at a position per
+    frequency, (batch, seq, head_dim/2) (M-RoPE, see the module doc)."""
     if positions is None:
         angles = rope[: x.shape[1], None]  # (seq, 1, head_dim/2, 2), broadcast over batch and heads
+    elif positions.dim() == 3:
+        frequency = torch.arange(positions.shape[-1], device=positions.device)
+        angles = rope[positions, frequency][:, :, None]  # (batch, seq, 1, head_dim/2, 2)
     else:
         angles = rope[positions][:, :, None]  # (batch, seq, 1, head_dim/2, 2)
     return _Rotate.apply(x, angles[..., 0], angles[..., 1], convention)
+
+
+def mrope_streams(section: tuple[int, ...], n_frequencies: int) -> torch.Tensor:
+    """Which position stream (0 temporal, 1 height, 2 width) each of ``n_frequencies`` frequencies reads under
+    interleaved M-RoPE with ``section`` (frequencies per stream, e.g. Qwen3-VL's (24, 20, 20))."""
+    if len(section) != 3 or sum(section) != n_frequencies:
+        raise ValueError(f"mrope_section {tuple(section)} must be three counts summing to the {n_frequencies} "
+                         "rotary frequencies")
+    streams = torch.zeros(n_frequencies, dtype=torch.long)
+    for stream in (1, 2):
+        streams[stream:3 * section[stream]:3] = stream
+    return streams
