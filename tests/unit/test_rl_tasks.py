@@ -49,7 +49,7 @@ def test_arithmetic_answers_are_the_operations_results():
 def test_the_stream_depends_on_seed_and_index_only():
     first, again = build_prompt_source(RL(), seed=1), build_prompt_source(RL(), seed=1)
     # Read out of order: a resumed stream starts anywhere.
-    indices = [7000, 3, 5000, 0, 3574, 3575, 12]
+    indices = [7000, 3, 5000, 0, 409, 410, 12]  # 410: the second pass's first
     assert [first[i] for i in indices] == [again[i] for i in reversed(indices)][::-1]
     assert prompts(first, 0, 50) == prompts(again, 0, 50)
     assert prompts(first, 0, 50) != prompts(build_prompt_source(RL(), seed=2), 0, 50)

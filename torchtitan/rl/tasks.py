@@ -24,7 +24,7 @@ hub) gives "train" its "train" split and "heldout" its "test" split, or else its
 
 A task is ``builder(split, seed) -> PromptSource``, registered in `TASKS`; a module named in
 experimental.custom_import can register one beside the built-in "arithmetic" (data/arithmetic.py: "What is
-17 + 25?", answer "42").
+17 + 5?", answer "22").
 """
 
 from __future__ import annotations
