@@ -44,7 +44,7 @@ class Qwen3VL(Decoder):
               ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """The token embeddings with the images' tokens in place, the image positions' mask and the DeepStack
         features."""
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.embeds_input else tokens  # a later pipeline stage gets hidden states
         if pixel_values is None:
             return h, None, []
         features, deepstack = self.visual(pixel_values, image_grid_thw)
