@@ -147,7 +147,7 @@ def main() -> int:
     gains = {name: values[-1] - values[0] for name, (_, values) in curves.items()}
     gain, control_gain = gains["GRPO"], gains["control (shuffled rewards)"]
     passed = gain >= REQUIRED_GAIN and control_gain < gain / 3
-    lines = [f"# GRPO learning run on the arithmetic task\n", f"{environment()}\n",
+    lines = ["# GRPO learning run on the arithmetic task\n", f"{environment()}\n",
              "Held-out mean reward = share of right answers over 200 held-out problems x 8 samples at temperature 1 "
              "(scripts/rl_eval.py); training reward = the mean over the step's 64 completions, averaged over the 50 "
              "steps up to the checkpoint. The start is the SFT run's step-"
@@ -158,7 +158,8 @@ def main() -> int:
              "control training |", "|---:|---:|---:|---:|---:|---:|---:|",
              f"| 0 | {start_figures['reward_mean']:.3f} | {start_figures['pass@8']:.3f} | "
              f"{rows['GRPO'][0]['rl/reward_mean']:.3f} (step 1) | {start_figures['reward_mean']:.3f} | "
-             f"{start_figures['pass@8']:.3f} | {rows['control (shuffled rewards)'][0]['rl/reward_mean']:.3f} (step 1) |"]
+             f"{start_figures['pass@8']:.3f} | "
+             f"{rows['control (shuffled rewards)'][0]['rl/reward_mean']:.3f} (step 1) |"]
     for step in curves["GRPO"][0][1:]:
         cells = []
         for folder in folders.values():

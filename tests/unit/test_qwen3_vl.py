@@ -55,7 +55,8 @@ def _batch(patch_dim: int):
     rows = [_conversation(GRIDS[:2]), _conversation(GRIDS[2:])]
     length = max(map(len, rows))
     rows = [row + [3] * (length - len(row)) for row in rows]
-    positions = torch.stack([mrope_positions(rows[0], GRIDS[:2], IMAGE, 2), mrope_positions(rows[1], GRIDS[2:], IMAGE, 2)])
+    positions = torch.stack([mrope_positions(rows[0], GRIDS[:2], IMAGE, 2),
+                             mrope_positions(rows[1], GRIDS[2:], IMAGE, 2)])
     pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), patch_dim)
     return torch.tensor(rows), positions, pixels, torch.tensor(GRIDS)
 
@@ -204,3 +205,18 @@ def test_checks_name_the_offending_values():
     assert "must be three counts summing to head_dim/2 = 8" in problems["mrope_section"]
     problems = dict(_args(vision=VisionArgs(depth=2, dim=30, n_heads=4, deepstack_indexes=(3,))).check())
     assert "vision.n_heads" in problems and "[3] are not blocks" in problems["vision.deepstack_indexes"]
+
+
+def test_bad_images_are_one_line_errors_naming_the_file(tmp_path):
+    from torchtitan.data.errors import DataError
+
+    with pytest.raises(DataError, match=r"missing\.png: no such image file"):
+        open_image(tmp_path / "missing.png")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(DataError, match=r"corrupt\.png: not a readable image"):
+        open_image(tmp_path / "corrupt.png")
+    tiny = Image.new("RGB", (5, 3))
+    with pytest.raises(DataError, match=r"row 7 \(5 x 3 pixels\): .*too small for one 32 x 32 block"):
+        image_patches(tiny, ImagePatching(min_pixels=0), where="row 7")
+    with pytest.raises(DataError, match="aspect ratio 250 is above 200"):
+        image_patches(Image.new("RGB", (500, 2)), ImagePatching(), where="row 8")

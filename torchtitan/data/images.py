@@ -51,7 +51,7 @@ class ImagePatching:
 def fit_to_grid(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The (height, width) an image is resized to: each side rounded to a multiple of ``factor``; when that leaves
     more than ``max_pixels`` (fewer than ``min_pixels``), both sides scaled by the same ratio first and rounded
-    down (up). ValueError for an aspect ratio above MAX_ASPECT_RATIO."""
+    down (up). ValueError for an aspect ratio above MAX_ASPECT_RATIO or a result under one block of patches."""
     if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
         raise ValueError(f"its aspect ratio {max(height, width) / min(height, width):.0f} is above "
                          f"{MAX_ASPECT_RATIO}")
@@ -64,6 +64,9 @@ def fit_to_grid(height: int, width: int, factor: int, min_pixels: int, max_pixel
         beta = math.sqrt(min_pixels / (height * width))
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
+    if min(h, w) < factor:
+        raise ValueError(f"it resizes to {w} x {h} pixels, too small for one {factor} x {factor} block of patches; "
+                         f"raise min_pixels (now {min_pixels}) to at least {factor * factor}")
     return h, w
 
 

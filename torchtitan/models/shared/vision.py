@@ -27,6 +27,7 @@ states at the image positions after its k-th block (models/qwen3_vl/model.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ class VisionArgs:
 
     @property
     def grid_side(self) -> int:
-        return int(round(self.num_position_embeddings ** 0.5))
+        return round(self.num_position_embeddings ** 0.5)
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -100,11 +101,8 @@ def merge_block_order(grid: torch.Tensor, merge: int) -> torch.Tensor:
 
 def image_spans(grid_thw: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of each image's patches in the concatenated patch sequence."""
-    sizes = grid_thw.prod(-1).tolist()
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size)
-    return list(zip(starts, starts[1:]))
+    starts = [0, *itertools.accumulate(grid_thw.prod(-1).tolist())]
+    return list(itertools.pairwise(starts))
 
 
 class VisionAttention(nn.Module):
