@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan.models.qwen3_vl.args import Qwen3VLModelArgs
+from torchtitan.models.shared.attention import DocumentMask
 from torchtitan.models.shared.decoder import Decoder
 from torchtitan.models.shared.rope import mrope_streams
 from torchtitan.models.shared.vision import VisionTower
@@ -30,15 +31,21 @@ class Qwen3VL(Decoder):
                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """As Decoder.forward, with the patches of the batch's images (pixel_values: (patches, patch_dim), in the
         order their <|image_pad|> runs appear, row by row) and their grids (image_grid_thw: (images, 3))."""
+        h = self.run_blocks(tokens, self._documents(document_ids), positions, pixel_values, image_grid_thw)
+        return self.head(h, labels)
+
+    def run_blocks(self, tokens: torch.Tensor, documents: DocumentMask | None = None,
+                   positions: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                   image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder.run_blocks with the images' tokens in place and DeepStack after the first blocks."""
         h, image_mask, deepstack = self.embed(tokens, pixel_values, image_grid_thw)
         if positions is not None and positions.dim() == 3:
-            positions = positions[..., self.rope_streams.to(positions.device)]  # a position per frequency
-        documents = self._documents(document_ids)
+            positions = positions[..., self.rope_streams]  # a position per frequency
         for k, layer in enumerate(self.main_layers()):
             h = layer(h, self.rope, documents=documents, positions=positions)
             if k < len(deepstack):
                 h = h.masked_scatter(image_mask[..., None], h[image_mask] + deepstack[k].to(h.dtype))
-        return self.head(h, labels)
+        return h
 
     def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
