@@ -49,10 +49,10 @@ def last_step(config: str) -> int:
 
 
 def train(folder: pathlib.Path, options: list[str]) -> list[dict]:
-    """Run the trainer into ``folder`` unless its final checkpoint is there."""
+    """Run the trainer into ``folder`` unless its final checkpoint is there; a run stopped part way resumes from its
+    last checkpoint (the trainer's own resume: the same steps as a straight run)."""
     steps = last_step(options[options.index("--job.config_file") + 1])
     if not (folder / "checkpoint" / f"step-{steps}").is_dir():
-        shutil.rmtree(folder, ignore_errors=True)  # a partial run would resume, not start over
         command = [sys.executable, "-m", "torchtitan.train", *options, "--job.dump_folder", str(folder)]
         print(f"# {' '.join(command[1:])}", flush=True)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
