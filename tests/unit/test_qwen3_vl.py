@@ -220,3 +220,17 @@ def test_bad_images_are_one_line_errors_naming_the_file(tmp_path):
         image_patches(tiny, ImagePatching(min_pixels=0), where="row 7")
     with pytest.raises(DataError, match="aspect ratio 250 is above 200"):
         image_patches(Image.new("RGB", (500, 2)), ImagePatching(), where="row 8")
+
+
+def test_images_that_do_not_match_their_grids_or_tokens_are_refused_in_one_line():
+    args = _args()
+    model = _model(args, seed=0)
+    tokens, positions, pixels, _ = _batch(args.vision.patch_dim)
+    two_grids = torch.tensor(GRIDS[:1] + GRIDS[2:])  # 48 patches: 12 merged, where the text holds 13 image tokens
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"pixel_values has shape \(44, 96\), but the 2 image grids make "
+                                             r"\(48, 96\)"):
+            model(tokens, positions=positions, pixel_values=pixels[:-8], image_grid_thw=two_grids)
+        with pytest.raises(ValueError, match=r"has 13 <\|image_pad\|> tokens \(id 90\) but its images make 12 "
+                                             r"merged patches"):
+            model(tokens, positions=positions, pixel_values=pixels[:-4], image_grid_thw=two_grids)

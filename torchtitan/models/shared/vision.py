@@ -186,6 +186,10 @@ class VisionTower(nn.Module):
 
     def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         grid_thw = grid_thw.cpu()
+        expected = int(grid_thw.prod(-1).sum())
+        if tuple(patches.shape) != (expected, self.args.patch_dim):
+            raise ValueError(f"pixel_values has shape {tuple(patches.shape)}, but the {len(grid_thw)} image grids "
+                             f"make ({expected}, {self.args.patch_dim}): patches x channels x time x rows x columns")
         positions, (cos, sin) = self.position_embeddings(grid_thw, patches.device)
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype)) + positions.to(self.patch_embed.weight.dtype)
         spans = image_spans(grid_thw)
