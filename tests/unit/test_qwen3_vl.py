@@ -11,9 +11,9 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from torchtitan.components.checkpointing.hf_folder import check_hf_config, read_hf_model_state
-from torchtitan.data.images import ImagePatching, image_patches, open_image
+from torchtitan.data.images import ImagePatching, image_patches, mrope_positions, open_image, pad_row_images
 from torchtitan.models.qwen3 import Qwen3ModelArgs
-from torchtitan.models.qwen3_vl import Qwen3VL, Qwen3VLModelArgs, Qwen3VLStateDictAdapter, mrope_positions
+from torchtitan.models.qwen3_vl import Qwen3VL, Qwen3VLModelArgs, Qwen3VLStateDictAdapter
 from torchtitan.models.qwen3_vl.args import qwen3_vl_flavors
 from torchtitan.models.shared.decoder import Decoder
 from torchtitan.models.shared.rope import mrope_streams
@@ -61,6 +61,15 @@ def _batch(patch_dim: int):
     return torch.tensor(rows), positions, pixels, torch.tensor(GRIDS)
 
 
+def _per_row(pixels: torch.Tensor, grids=GRIDS, rows=((0, 1), (2,))) -> dict:
+    """transformers' concatenated images as our per-row inputs (row 0 shows the first two images)."""
+    sizes = [t * h * w for t, h, w in grids]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pixel_values, image_grid_thw = pad_row_images(
+        [[(pixels[starts[i]:starts[i] + sizes[i]], grids[i]) for i in row] for row in rows], pixels.shape[1])
+    return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+
+
 def _transformers_model(adapter: Qwen3VLStateDictAdapter) -> transformers.Qwen3VLForConditionalGeneration:
     config = transformers.Qwen3VLConfig(**{k: v for k, v in adapter.hf_config(1, 2, "float32").items()
                                            if k != "architectures"})
@@ -76,7 +85,7 @@ def test_our_export_loads_in_transformers_and_gives_our_logits_on_conversations_
     assert not missing and not unexpected
     tokens, positions, pixels, grids = _batch(args.vision.patch_dim)
     with torch.no_grad():
-        ours = model(tokens, positions=positions, pixel_values=pixels, image_grid_thw=grids)
+        ours = model(tokens, positions=positions, **_per_row(pixels))
         theirs = hf(input_ids=tokens, pixel_values=pixels, image_grid_thw=grids,
                     mm_token_type_ids=(tokens == IMAGE).int()).logits
         assert (ours - theirs).abs().max().item() <= 1e-4
@@ -105,7 +114,7 @@ def test_a_checkpoint_saved_by_transformers_imports_with_its_logits(tmp_path):
     with torch.no_grad():
         theirs = hf(input_ids=tokens, pixel_values=pixels, image_grid_thw=grids,
                     mm_token_type_ids=(tokens == IMAGE).int()).logits
-        assert (ours(tokens, positions=positions, pixel_values=pixels, image_grid_thw=grids)
+        assert (ours(tokens, positions=positions, **_per_row(pixels))
                 - theirs).abs().max().item() <= 1e-4
 
 
@@ -226,11 +235,26 @@ def test_images_that_do_not_match_their_grids_or_tokens_are_refused_in_one_line(
     args = _args()
     model = _model(args, seed=0)
     tokens, positions, pixels, _ = _batch(args.vision.patch_dim)
-    two_grids = torch.tensor(GRIDS[:1] + GRIDS[2:])  # 48 patches: 12 merged, where the text holds 13 image tokens
+    inputs = _per_row(pixels)
     with torch.no_grad():
-        with pytest.raises(ValueError, match=r"pixel_values has shape \(44, 96\), but the 2 image grids make "
-                                             r"\(48, 96\)"):
-            model(tokens, positions=positions, pixel_values=pixels[:-8], image_grid_thw=two_grids)
-        with pytest.raises(ValueError, match=r"has 13 <\|image_pad\|> tokens \(id 90\) but its images make 12 "
-                                             r"merged patches"):
-            model(tokens, positions=positions, pixel_values=pixels[:-4], image_grid_thw=two_grids)
+        short = inputs["pixel_values"][:, :-8]  # row 0 needs 28 patches
+        with pytest.raises(ValueError, match=r"image_grid_thw makes up to 28 patches in a row, but pixel_values "
+                                             r"\(2, 20, 96\) holds 20 per row"):
+            model(tokens, positions=positions, pixel_values=short, image_grid_thw=inputs["image_grid_thw"])
+        fewer = inputs["image_grid_thw"].clone()
+        fewer[0, 1] = 0  # row 0 shows one image where its text has two images' tokens
+        with pytest.raises(ValueError, match=r"rows have \[7, 6\] <\|image_pad\|> tokens \(id 90\) but their "
+                                             r"images make \[6, 6\] merged patches"):
+            model(tokens, positions=positions, pixel_values=inputs["pixel_values"], image_grid_thw=fewer)
+
+
+def test_a_batch_without_images_still_trains_every_tower_parameter():
+    """A data-parallel rank whose rows show no image runs the tower on nothing: every tower parameter gets a zero
+    gradient, so that sharded data parallelism reduces the same tensors on every rank."""
+    args = _args()
+    model = _model(args, seed=0).train()
+    tokens = torch.randint(0, 80, (2, 16))
+    model(tokens, pixel_values=torch.zeros(2, 0, args.vision.patch_dim),
+          image_grid_thw=torch.zeros(2, 0, 3, dtype=torch.long)).sum().backward()
+    for name, param in model.visual.named_parameters():
+        assert param.grad is not None and not param.grad.any(), name

@@ -8,6 +8,9 @@ Qwen3-VL and Qwen3.5 use: Pillow and NumPy only (no torchvision).
 4. Cut into patch_size x patch_size patches, each repeated temporal_patch_size times (the tower also reads video)
    and flattened as (channel, time, row, column), the patches of each merge_size x merge_size block consecutive
    (merge-block order), which is how the tower and its merger read them.
+
+And the multimodal RoPE positions of a document with images (``mrope_positions``), and a batch's images in the
+per-row layout the vision-language decoders take (``pad_row_images``; models/shared/vision_language.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, UnidentifiedImageError
 
 from torchtitan.data.errors import DataError
@@ -108,3 +112,50 @@ def image_patches(image: Image.Image, patching: ImagePatching = ImagePatching(),
     blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)
     patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], p.temporal_patch_size, s, s))
     return np.ascontiguousarray(patches).reshape(rows * cols, p.patch_dim), (1, rows, cols)
+
+
+def mrope_positions(tokens: list[int], grids: list[tuple[int, int, int]], image_token_id: int,
+                    spatial_merge_size: int, start: int = 0) -> torch.Tensor:
+    """The (len(tokens), 3) temporal/height/width positions of one document: a text token takes the next position
+    on all three streams; a run of <|image_pad|> tokens is the next image of ``grids`` (t, h, w in patches), its
+    merged patches at (start, start + row, start + column) from the position after the text before it, and the
+    text after it continues from start + max(rows, columns)."""
+    out = torch.empty(len(tokens), 3, dtype=torch.long)
+    images = iter(grids)
+    position, i = start, 0
+    while i < len(tokens):
+        if tokens[i] != image_token_id:
+            out[i] = position
+            position, i = position + 1, i + 1
+            continue
+        try:
+            t, h, w = next(images)
+        except StopIteration:
+            raise ValueError(f"token {i} starts an image, but the document's {len(grids)} image grids are "
+                             "used up") from None
+        rows, cols = h // spatial_merge_size, w // spatial_merge_size
+        n = t * rows * cols
+        if tokens[i:i + n] != [image_token_id] * n:
+            raise ValueError(f"the image at token {i} has {n} merged patches, but the run of image tokens there "
+                             "is shorter")
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij"),
+                           dim=-1).reshape(-1, 3)
+        out[i:i + n] = grid + position
+        position, i = position + max(rows, cols), i + n
+    return out
+
+
+def pad_row_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]], patch_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's images as (patches, grid) pairs -> pixel_values (rows, P, patch_dim) and image_grid_thw
+    (rows, I, 3), zero-padded to the most patches and images of a row (a zero grid is no image)."""
+    most_patches = max((sum(len(p) for p, _ in row) for row in rows), default=0)
+    most_images = max(map(len, rows), default=0)
+    pixels = torch.zeros(len(rows), most_patches, patch_dim)
+    grids = torch.zeros(len(rows), most_images, 3, dtype=torch.long)
+    for r, row in enumerate(rows):
+        if row:
+            patches = torch.cat([torch.as_tensor(p, dtype=torch.float32) for p, _ in row])
+            pixels[r, :len(patches)] = patches
+            grids[r, :len(row)] = torch.tensor([grid for _, grid in row])
+    return pixels, grids

@@ -160,6 +160,14 @@ def model_stage_names(model: nn.Module, p: Parallelism, num_stages: int) -> tupl
     holds a copy of the embedding (for those blocks, or for an output head tied to it)."""
     n_layers = model.args.n_layers
     names = [list(stage) for stage in stage_module_names(p, n_layers, num_stages)]
+    if getattr(model, "visual", None) is not None:
+        # The vision tower feeds the embeddings, and its DeepStack features the first blocks: all on stage 0.
+        needed = [f"layers.{i}" for i in range(model.image_layers)]
+        if not set(needed) <= set(names[0]):
+            raise ValueError(f"the first pipeline stage holds {names[0]} but the vision tower's DeepStack features "
+                             f"go into {needed}: give the first stage at least {model.image_layers} blocks "
+                             "(parallelism.pipeline_parallel_first_stage_less_layers or _layers_per_stage)")
+        names[0].append("visual")
     names[-1] += [f"layers.{key}" for key in model.layers if int(key) >= n_layers]
     shares = num_stages > 1 and (len(model.layers) > n_layers or model.args.tie_embeddings)
     if shares:
@@ -175,7 +183,7 @@ def keep_only(model: nn.Module, names: list[str], first: bool) -> nn.Module:
     for key in list(part.layers):
         if f"layers.{key}" not in keep:
             del part.layers[key]
-    for name in ("tok_embeddings", "norm", "output"):
+    for name in ("tok_embeddings", "norm", "output", *(("visual",) if hasattr(part, "visual") else ())):
         if name not in keep:
             setattr(part, name, None)
     part.embeds_input = first

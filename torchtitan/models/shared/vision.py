@@ -108,20 +108,20 @@ def image_spans(grid_thw: torch.Tensor) -> list[tuple[int, int]]:
 class VisionAttention(nn.Module):
     def __init__(self, args: VisionArgs):
         super().__init__()
-        self.head_dim = args.head_dim
+        self.head_dim, self.n_heads = args.head_dim, args.n_heads
         self.qkv = nn.Linear(args.dim, 3 * args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 spans: list[tuple[int, int]]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, -1, self.head_dim).unbind(1)  # (patches, heads, head_dim) each
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)  # (patches, heads, head_dim) each
         q, k = rotate(q, cos, sin, "halves"), rotate(k, cos, sin, "halves")
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, patches, head_dim)
         # Each image attends within itself: one kernel call per image, no patches x patches mask.
         out = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
-                         for s, e in spans], dim=2)
-        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
+                         for s, e in spans] or [v], dim=2)  # no image: v is empty, and keeps qkv in the graph
+        return self.proj(out[0].transpose(0, 1).reshape(n, self.n_heads * self.head_dim))
 
 
 class VisionMLP(nn.Module):
@@ -206,7 +206,9 @@ class VisionTower(nn.Module):
         sin (patches, 1, head_dim/2), in the patches' merge-block order."""
         merge, side = self.args.spatial_merge_size, self.args.grid_side
         table = self.pos_embed.weight
-        learned, angles = [], []
+        # A rank without images still runs the tower on nothing, so that every parameter gets a (zero) gradient
+        # and sharded data parallelism reduces the same tensors on every rank.
+        learned, angles = [table[:0]], [torch.zeros(0, 2, dtype=torch.long, device=device)]
         for t, h, w in grid_thw.tolist():
             rows, cols = torch.arange(h, device=device), torch.arange(w, device=device)
             # Bilinear resampling with corners aligned: cell r of h sits at r * (side - 1) / (h - 1) of the table.
