@@ -47,6 +47,7 @@ from torchtitan.log import init_logger, logger
 from torchtitan.models.shared.chunked_cross_entropy import use_chunked_loss
 from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.document_masking import DocumentMasking
+from torchtitan.models.shared.vision_language import image_chat
 from torchtitan.protocols.model import count_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
@@ -185,6 +186,7 @@ class Trainer:
                 shuffle_seed=cfg.debug.seed if training.shuffle_documents else None,
                 mixture=cfg.data,
                 global_batch_size=global_batch * groups,
+                image_chat=image_chat(self.model_args, training.chat),
             )
         self.expert_loads = None
         if isinstance(self.model_args, DecoderArgs) and self.model_args.moe is not None:
@@ -207,6 +209,7 @@ class Trainer:
                 cfg.validation, self.tokenizer, dp_rank=group_dp_rank, dp_world_size=group_dp_degree,
                 loss_fn=self.loss_fn, device=self.device, dp_mesh=self.loss_mesh, autocast=self.autocast,
                 batch_loss=self._validation_batch_loss, chat=training.chat,
+                image_chat=image_chat(self.model_args, training.chat),
             )
 
         self.task_eval = None
@@ -322,39 +325,40 @@ class Trainer:
         sharded for context parallelism; the objective derives its inputs and targets from the whole rows."""
         batch = self._on_device(batch)
         extra, targets = self.objective.prepare(batch)
-        inputs = {**self.masking.model_inputs(batch), **extra}
+        return self._sharded_inputs(batch, targets, extra)
+
+    def _sharded_inputs(self, batch: Batch, targets: torch.Tensor, extra: dict | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """(tokens, the forward's keyword inputs, targets), the per-token ones split for context parallelism."""
+        inputs = {**self.masking.model_inputs(batch), **(extra or {})}
         tokens, targets, *values = self._cp_shard([batch.input_ids, targets, *inputs.values()])
-        return tokens, dict(zip(inputs, values)), targets
+        return tokens, {**dict(zip(inputs, values)), **self.masking.image_inputs(batch)}, targets
 
     def _on_device(self, batch: Batch) -> Batch:
         return type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))  # a Batch, or an objective's own
 
-    def _to_device_and_shard(self, batch: Batch) -> Batch:
-        return Batch(*self._cp_shard(list(self._on_device(batch))))
-
     def _cp_shard(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Under context parallelism, this rank's head and tail chunks of every sequence (the last dimension)."""
+        """Under context parallelism, this rank's head and tail chunks of every sequence (dimension 1)."""
         if not self.parallel_dims.cp_enabled:
             return tensors
         cp_mesh = self.parallel_dims.submesh("cp")
-        return [shard_sequence(t, t.dim() - 1, cp_mesh.get_local_rank(), cp_mesh.size()) for t in tensors]
+        return [shard_sequence(t, 1, cp_mesh.get_local_rank(), cp_mesh.size()) for t in tensors]
 
     def _validation_batch_loss(self, model_parts: list[torch.nn.Module],
                                batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy and valid tokens of one validation batch on this rank (all stages summed)."""
-        batch = self._to_device_and_shard(batch)
-        inputs = self.masking.model_inputs(batch)
+        tokens, inputs, labels = self._sharded_inputs(self._on_device(batch), batch.labels.to(self.device))
         with self.autocast(), loss_parallel_context(self.loss_parallel):
             if self.pipeline is None:
-                loss = to_local_scalar(self.loss_fn(model_parts[0](batch.input_ids, **inputs), batch.labels, 1.0))
+                loss = to_local_scalar(self.loss_fn(model_parts[0](tokens, **inputs), labels, 1.0))
             else:
                 pipe, losses = self.pipeline, []
-                pipe.schedule.eval(*((batch.input_ids,) if pipe.has_first_stage else ()),
-                                   target=batch.labels if pipe.has_last_stage else None, losses=losses,
+                pipe.schedule.eval(*((tokens,) if pipe.has_first_stage else ()),
+                                   target=labels if pipe.has_last_stage else None, losses=losses,
                                    return_outputs=False, **inputs)
                 loss = sum((to_local_scalar(x) for x in losses), torch.zeros((), device=self.device))
                 loss = sum_over(loss, self.parallel_dims.submesh("pp"))
-        return loss, count_valid_tokens(batch.labels)
+        return loss, count_valid_tokens(labels)
 
     @property
     def step(self) -> int:

@@ -26,8 +26,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask, chat_ids
-from torchtitan.data.dataset import IGNORE_INDEX, StreamPosition, stacked_batch
+from torchtitan.data.dataset import IGNORE_INDEX, ImageBatch, StreamPosition, stacked_batch
 from torchtitan.data.errors import DataError
+from torchtitan.data.image_chat import EncodedImageChat, ImageChat, ImageRows
 from torchtitan.data.pydocs import load_pydocs_documents
 from torchtitan.data.tokenizer import Tokenizer
 from torchtitan.log import logger
@@ -36,11 +37,12 @@ OVERLONG = ("truncate", "drop")
 TRAIN_ON = ("assistant", "all")
 
 
-def check_messages(messages: object, where: str) -> None:
+def check_messages(messages: object, where: str, parts: bool = False) -> None:
     """Raise DataError (one line, naming ``where``) unless ``messages`` is a list of {role, content} messages.
 
     Which roles exist is the template's business (as in transformers): ours knows system, user and assistant
-    and raises for others; content may be None (e.g. a tool-call turn), which the template sees as absent.
+    and raises for others; content may be None (e.g. a tool-call turn), which the template sees as absent. With
+    ``parts`` (image conversations) content may also be a list of {"type": ...} parts, as transformers writes it.
     """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.60}")
@@ -49,8 +51,15 @@ def check_messages(messages: object, where: str) -> None:
             raise DataError(f"{where}: message {i} must be a dict with 'role' and 'content', got {message!r:.60}")
         if not isinstance(message["role"], str) or not message["role"]:
             raise DataError(f"{where}: message {i} has role {message['role']!r}; a role is a non-empty string")
-        if message["content"] is not None and not isinstance(message["content"], str):
-            raise DataError(f"{where}: message {i} content is {type(message['content']).__name__}, not text")
+        content = message["content"]
+        if parts and isinstance(content, list):
+            if all(isinstance(part, dict) and isinstance(part.get("type"), str) for part in content):
+                continue
+            raise DataError(f"{where}: message {i} content is a list whose items are not all {{'type': ...}} parts, "
+                            f"got {content!r:.60}")
+        if content is not None and not isinstance(content, str):
+            raise DataError(f"{where}: message {i} content is {type(content).__name__}, not text"
+                            + (" or a list of parts" if parts else ""))
 
 
 def encode_conversation(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict],
@@ -84,7 +93,8 @@ class PackedChatDataset(IterableDataset):
 
     def __init__(self, conversations: Iterable, tokenizer: Tokenizer, seq_len: int, local_batch_size: int = 1,
                  dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True, label: str = "conversations",
-                 train_on: str = "assistant", overlong: str = "truncate", template: ChatTemplate | None = None):
+                 train_on: str = "assistant", overlong: str = "truncate", template: ChatTemplate | None = None,
+                 images: ImageChat | None = None):
         if iter(conversations) is conversations:
             raise TypeError("conversations must be re-iterable (e.g. a list), not a one-shot iterator")
         for name, value, valid in (("training.chat.overlong", overlong, OVERLONG),
@@ -109,6 +119,7 @@ class PackedChatDataset(IterableDataset):
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.infinite, self.label, self.train_on, self.overlong = infinite, label, train_on, overlong
+        self.images = images  # image conversations (data/image_chat.py), for a vision-language model
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
         self.start = StreamPosition()
 
@@ -117,19 +128,29 @@ class PackedChatDataset(IterableDataset):
         locate = getattr(self.conversations, "locate", None)
         return locate(index) if locate is not None else f"dataset {self.label}: row {index}"
 
-    def _encoded(self, start: StreamPosition) -> Iterator[tuple[int, int, np.ndarray, np.ndarray] | _PassEnd]:
-        """Each conversation as (epoch, index, inputs, labels), and a _PassEnd after each pass over the data."""
+    def _encoded(self, start: StreamPosition
+                 ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray, EncodedImageChat | None] | _PassEnd]:
+        """Each conversation as (epoch, index, inputs, labels, its images or None), and a _PassEnd after each pass
+        over the data."""
         epoch, first = start.epoch, start.document
         while True:
             count = 0
-            for index, messages in itertools.islice(enumerate(self.conversations), first, None):
-                check_messages(messages, self._where(index))
+            for index, row in itertools.islice(enumerate(self.conversations), first, None):
+                where = self._where(index)
+                messages, sources = self.images.split_row(row, where) if self.images else (row, [])
+                check_messages(messages, where, parts=self.images is not None)
                 try:
                     inputs, labels = encode_conversation(self.tokenizer, self.template, messages, self.train_on)
                 except ChatTemplateError as e:
-                    raise DataError(f"{self._where(index)}: {e}") from None
+                    raise DataError(f"{where}: {e}") from None
+                encoded = None
+                if self.images is not None:
+                    file = getattr(self.conversations, "file_of", lambda _: None)(index)
+                    folder = file.parent if file is not None else None
+                    encoded = self.images.encode(inputs, labels, sources, where, folder, self.seq_len)
+                    inputs, labels = encoded.inputs, encoded.labels
                 count += 1
-                yield epoch, index, inputs, labels
+                yield epoch, index, inputs, labels, encoded
             yield _PassEnd(whole=first == 0, conversations=count)
             if not self.infinite:
                 return
@@ -150,8 +171,9 @@ class PackedChatDataset(IterableDataset):
                 f"on (an 'assistant' message the chat template renders, within seq_len {self.seq_len}), so every "
                 "step's loss would be 0; add assistant replies or set training.chat.train_on = 'all'")
 
-    def _rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, StreamPosition, dict]]:
-        """(tokens, labels, document ids) of each round's rows, the position after it and its counts."""
+    def _rounds(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, StreamPosition, dict, ImageRows | None]]:
+        """(tokens, labels, document ids) of each round's rows, the position after it, its counts and its rows'
+        image fields (image conversations)."""
         source = self._encoded(self.start)
         pending, after = None, self.start
         placed_in_pass = trained_in_pass = 0  # conversations placed and tokens trained since the pass began
@@ -162,6 +184,8 @@ class PackedChatDataset(IterableDataset):
             tokens = np.full((rows_per_round, self.seq_len), self.pad_id, dtype=np.int64)
             labels = np.full((rows_per_round, self.seq_len), IGNORE_INDEX, dtype=np.int64)
             ids = np.zeros((rows_per_round, self.seq_len), dtype=np.int64)
+            image_rows = (ImageRows(rows_per_round, self.seq_len, self.images.image_token_id) if self.images
+                          else None)
             for row in range(rows_per_round):
                 used, document = 0, 0
                 while True:
@@ -173,9 +197,15 @@ class PackedChatDataset(IterableDataset):
                             self._check_pass(pending, placed_in_pass, trained_in_pass)
                             pending, placed_in_pass, trained_in_pass = None, 0, 0
                             continue
-                    epoch, index, inputs, targets = pending
-                    if len(inputs) == 0 or (len(inputs) > self.seq_len and self.overlong == "drop"):
-                        counts["conversations_dropped"] += len(inputs) > 0  # an empty rendering trains nothing
+                    epoch, index, inputs, targets, encoded = pending
+                    if encoded is not None and len(inputs) > self.seq_len and self.overlong == "truncate":
+                        encoded = encoded.cut(self.seq_len, self.images.image_token_id)  # never inside an image
+                        inputs, targets = encoded.inputs, encoded.labels
+                    too_many_images = encoded is not None and self.images.too_many_image_tokens(encoded)
+                    if (len(inputs) == 0 or (len(inputs) > self.seq_len and self.overlong == "drop")
+                            or too_many_images):
+                        # An empty rendering trains nothing; a conversation cut to nothing does count.
+                        counts["conversations_dropped"] += len(inputs) > 0 or len(pending[2]) > 0
                         pending, after = None, StreamPosition(epoch, index + 1)
                         continue
                     length = min(len(inputs), self.seq_len)
@@ -185,6 +215,8 @@ class PackedChatDataset(IterableDataset):
                     tokens[row, used:used + length] = inputs[:length]
                     labels[row, used:used + length] = targets[:length]
                     ids[row, used:used + length] = document
+                    if image_rows is not None:
+                        image_rows.place(row, used, encoded)
                     used, document = used + length, document + 1
                     pending, after = None, StreamPosition(epoch, index + 1)
                     placed_in_pass += 1
@@ -192,6 +224,8 @@ class PackedChatDataset(IterableDataset):
                 if used == 0:
                     return  # the data ended (only without infinite): the partial round is dropped
                 ids[row, used:] = document  # the padding is a document of its own
+                if image_rows is not None:
+                    image_rows.pad(row, used)
             if not warned and not (labels != IGNORE_INDEX).any():
                 # The pass's end refuses data with nothing to train; a large source should not train silently
                 # at loss 0 until then.
@@ -199,15 +233,17 @@ class PackedChatDataset(IterableDataset):
                                "(training.chat.train_on = 'assistant'); its loss is 0")
             warned = True
             position = StreamPosition(pending[0], pending[1]) if pending is not None else after
-            yield tokens, labels, ids, position, counts
+            yield tokens, labels, ids, position, counts, image_rows
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, dict]]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
         mine = slice(self.dp_rank, None, self.dp_world_size)
-        for step, (tokens, labels, ids, position, counts) in enumerate(self._rounds()):
+        for step, (tokens, labels, ids, position, counts, image_rows) in enumerate(self._rounds()):
             if step % num_workers == worker_id:
                 batch = stacked_batch(tokens[mine], labels[mine], ids[mine])
+                if image_rows is not None:  # M-RoPE positions and the images added
+                    batch = ImageBatch(*batch[:3], *image_rows.fields(mine, self.images.patching.patch_dim))
                 yield batch, {"position": position.state_dict(), "counts": counts}
 
 

@@ -24,6 +24,12 @@ class Chat:
     overlong: Literal["truncate", "drop"] = option(
         "truncate", "A conversation longer than seq_len is cut to seq_len tokens or left out (both counted)"
     )
+    images_column: str = option("images", "Column holding each conversation's images (vision-language models): "
+                                          "paths relative to the file, bytes or images, in the order shown")
+    image_min_pixels: int = option(65536, "Images smaller than this many pixels are enlarged to it (aspect kept)")
+    image_max_pixels: int = option(16777216, "Images larger than this many pixels are shrunk to it (aspect kept)")
+    max_image_tokens: int = option(0, "Image tokens one conversation may hold; one with more is left out and "
+                                      "counted (0: up to seq_len)")
 
 
 @dataclass

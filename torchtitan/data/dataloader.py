@@ -22,8 +22,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan.data.chat import PackedChatDataset
 from torchtitan.data.config import Chat, Data
-from torchtitan.data.dataset import Batch, PackedTokenDataset, StreamPosition
+from torchtitan.data.dataset import Batch, ImageBatch, PackedTokenDataset, StreamPosition
 from torchtitan.data.errors import DataError
+from torchtitan.data.image_chat import ImageChat
 from torchtitan.data.mixture import MixtureDataset, MixtureSource
 from torchtitan.data.shards import TokenShards
 from torchtitan.data.sources import load_documents
@@ -75,7 +76,8 @@ class TokenDataLoader(StatefulDataLoader):
                 for name, count in state.get("counts", {}).items():
                     self.counts[name] = self.counts.get(name, 0) + count
                 self.gauges.update(state.get("gauges", {}))
-                yield Batch(*batch)  # the dataset stacks the fields: one transfer from a worker
+                # A text dataset stacks the fields: one transfer from a worker; an image one sends an ImageBatch.
+                yield batch if isinstance(batch, ImageBatch) else Batch(*batch)
                 continue
             # Raised outside the except block (no exception context), after dropping the iterator:
             # its workers stop now.
@@ -125,6 +127,7 @@ def build_dataloader(
     shuffle_seed: int | None = None,
     mixture: Data | None = None,
     global_batch_size: int | None = None,
+    image_chat: ImageChat | None = None,
 ) -> TokenDataLoader:
     """Return a resumable loader of one rank's `Batch` micro-batches, each field [local_batch_size, seq_len].
 
@@ -132,6 +135,7 @@ def build_dataloader(
     ``dataset_format`` "chat" the rows are conversations (column ``chat.messages_column`` of files), packed
     as ``chat`` says (data/chat.py). With "tokens", ``dataset_path`` is a folder of pre-tokenized shards
     (data/shards.py), read in stored order or, given ``shuffle_seed``, in a seeded permutation per pass.
+    ``image_chat`` (a vision-language model's) reads chat rows with their images (data/image_chat.py).
     """
     if mixture is not None and mixture.sources:
         packed = build_mixture(tokenizer, mixture, seq_len=seq_len, local_batch_size=local_batch_size,
@@ -144,8 +148,10 @@ def build_dataloader(
                   infinite=infinite, label=label)
     if dataset_format == "chat":
         chat = chat or Chat()
-        conversations = load_documents(dataset, dataset_path, split, chat.messages_column, "chat")
-        packed = PackedChatDataset(conversations, tokenizer, train_on=chat.train_on, overlong=chat.overlong, **layout)
+        conversations = load_documents(dataset, dataset_path, split, chat.messages_column, "chat",
+                                       whole_rows=image_chat is not None)
+        packed = PackedChatDataset(conversations, tokenizer, train_on=chat.train_on, overlong=chat.overlong,
+                                   images=image_chat, **layout)
     elif dataset_format == "tokens":
         if dataset_path is None:
             raise DataError("dataset_format 'tokens' reads dataset_path, a folder made by scripts/tokenize_dataset.py; "

@@ -77,6 +77,36 @@ class Batch(NamedTuple):
     document_ids: torch.Tensor
     positions: torch.Tensor
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(t.to(device, non_blocking=True) for t in self))
+
+
+class ImageBatch(NamedTuple):
+    """A `Batch` of image conversations (data/image_chat.py): its positions are M-RoPE's [local_batch_size,
+    seq_len, 3], and the rows' images come in the per-row layout of models/shared/vision_language.py:
+    ``pixel_values`` [local_batch_size, P, patch_dim], ``image_grid_thw`` [local_batch_size, I, 3] and
+    ``image_index`` [local_batch_size, seq_len]. The sequence is dimension 1 of every per-token field."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    document_ids: torch.Tensor
+    positions: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    image_index: torch.Tensor
+
+    def to(self, device: torch.device) -> ImageBatch:
+        return ImageBatch(*(t.to(device, non_blocking=True) for t in self))
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        """The per-token image fields (context parallelism splits them with the tokens)."""
+        return {"image_index": self.image_index}
+
+    def per_row(self) -> dict[str, torch.Tensor]:
+        """The per-row image fields (context parallelism leaves them whole: images are computed before the sequence
+        is split)."""
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
 
 def document_ids(input_ids: torch.Tensor, bos_id: int) -> torch.Tensor:
     """Index of each token's document within its row (0 = the row's first), for attention that masks across documents.

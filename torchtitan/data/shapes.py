@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from torchtitan.data.errors import DataError
+
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
            "purple": (140, 60, 180), "orange": (245, 140, 30), "white": (250, 250, 250), "black": (15, 15, 15)}
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -35,7 +37,8 @@ QUESTIONS = {"colour": "What colour are the shapes?", "shape": "What shape are t
              "caption": "Describe the picture."}
 OPTIONS = {"colour": tuple(COLOURS), "shape": SHAPES, "count": tuple(map(str, COUNTS)), "position": POSITIONS}
 BACKGROUND = (128, 128, 128)
-SPLITS = ("train", "validation")
+# Samples per split of the registered datasets "shapes" and "shapes_blank" (drawn when read).
+SPLITS = {"train": 20_000, "validation": 1_000}
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def shapes_sample(index: int, seed: int = 0, split: str = "train", size: int = 6
                   blank: bool = False) -> ShapesSample:
     """The ``index``-th sample of ``split`` (see the module doc); ``size``: the picture's side in pixels."""
     if split not in SPLITS:
-        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+        raise ValueError(f"split {split!r} is not one of {tuple(SPLITS)}")
     rng = _generator(seed, split, index)
     kind = KINDS[index % len(KINDS)]
     nth = index // len(KINDS)  # this question's rank among its kind's: it picks the balanced answer
@@ -98,3 +101,25 @@ def shapes_sample(index: int, seed: int = 0, split: str = "train", size: int = 6
     answers = {"colour": colour, "shape": shape, "count": str(count), "position": POSITIONS[quadrants[0]],
                "caption": f"{count} {colour} {shape}{'s' if count > 1 else ''}"}
     return ShapesSample(image, kind, QUESTIONS[kind], answers[kind])
+
+
+class ShapesChat:
+    """The registered chat datasets ``shapes`` and ``shapes_blank`` (``blank``): a split's samples as image
+    conversations {"messages", "images"}, drawn when read (data/image_chat.py reads the rows)."""
+
+    def __init__(self, split: str = "train", blank: bool = False, seed: int = 0, size: int = 64):
+        if split not in SPLITS:
+            raise DataError(f"the shapes datasets have no {split!r} split; valid: {', '.join(SPLITS)}")
+        self.split, self.blank, self.seed, self.size = split, blank, seed, size
+
+    def __len__(self) -> int:
+        return SPLITS[self.split]
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        sample = shapes_sample(index, self.seed, self.split, self.size, self.blank)
+        return {"messages": sample.messages(), "images": [sample.image]}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))

@@ -13,6 +13,7 @@ Bad data raises `DataError` with one line naming the file (or hub dataset) and t
 from __future__ import annotations
 
 import bisect
+import functools
 import gzip
 import json
 import logging
@@ -25,6 +26,7 @@ from torchtitan.data.arithmetic import load_arithmetic_chat
 from torchtitan.data.chat import load_pydocs_chat
 from torchtitan.data.errors import DataError
 from torchtitan.data.pydocs import load_pydocs_documents
+from torchtitan.data.shapes import ShapesChat
 from torchtitan.log import one_line
 from torchtitan.registry import Registry
 from torchtitan.remote import filesystem, is_url, url_problem
@@ -231,6 +233,12 @@ class LocalFiles:
         file = bisect.bisect_right(self._first_rows, index) - 1
         return f"{self.files[file]}: row {index - self._first_rows[file]}"
 
+    def file_of(self, index: int) -> pathlib.Path | None:
+        """The local file the document at ``index`` comes from (None for a URL): image paths are relative to
+        its folder. Only for documents already yielded."""
+        file = self.files[bisect.bisect_right(self._first_rows, index) - 1]
+        return file if isinstance(file, pathlib.Path) else None
+
     def __iter__(self) -> Iterator[str]:
         import datasets
 
@@ -305,6 +313,8 @@ HUB_DATASETS = {
 register_dataset("pydocs", load_pydocs_documents)
 register_dataset("pydocs_chat", load_pydocs_chat, "chat")
 register_dataset("arithmetic_chat", load_arithmetic_chat, "chat")
+register_dataset("shapes", ShapesChat, "chat")
+register_dataset("shapes_blank", functools.partial(ShapesChat, blank=True), "chat")
 for _name, _dataset in HUB_DATASETS.items():
     register_dataset(_name, _dataset, _dataset.format)
 
@@ -345,11 +355,12 @@ def source_problems(dataset: str, dataset_path: str | None, split: str,
 
 
 def load_documents(dataset: str, dataset_path: str | None, split: str, text_column: str = "text",
-                   format: str = "text") -> Iterable:
+                   format: str = "text", whole_rows: bool = False) -> Iterable:
     """The documents of a split: the local dataset_path if given (it has no splits), else the registered
-    dataset; ``text_column`` is the column read from files (the messages column for chat data)."""
+    dataset; ``text_column`` is the column read from files (the messages column for chat data), and with
+    ``whole_rows`` a file's rows come whole, as dicts (image conversations: the messages and their images)."""
     if dataset_path is not None:
-        return LocalFiles(dataset_path, text_column, format)
+        return LocalFiles(dataset_path, text_column, format, whole_rows=whole_rows)
     if dataset not in DATASETS:
         raise DataError(f"unknown dataset {dataset!r}; registered datasets: {', '.join(registered_datasets())}")
     if DATASET_FORMATS.get(dataset, "text") != format:

@@ -21,6 +21,7 @@ from torchtitan.components.objectives.loss import LossFn, count_valid_tokens
 from torchtitan.config.job_config import Validation
 from torchtitan.data import Batch, DataError, Tokenizer, build_dataloader
 from torchtitan.data.config import Chat
+from torchtitan.data.image_chat import ImageChat
 from torchtitan.distributed.collectives import sum_over
 
 # (model parts, batch) -> (summed token cross-entropy, valid tokens) of one batch on this rank.
@@ -58,11 +59,12 @@ class Validator:
         batch_loss: BatchLoss | None = None,
         model_inputs: Callable[[Batch], dict] = lambda batch: {},
         chat: Chat | None = None,
+        image_chat: ImageChat | None = None,
     ):
         """``dp_mesh`` is what the sums are reduced over (data x context parallel ranks). ``batch_loss``
         replaces the plain forward of one model part, for layouts that split the model or the sequence;
         ``model_inputs`` gives the plain forward's keyword arguments (document ids, positions); ``chat`` how
-        chat data is read and packed (training.chat)."""
+        chat data is read and packed (training.chat); ``image_chat`` how a vision-language model reads images."""
         self.cfg = cfg
         self.loss_fn = loss_fn
         self.device = device
@@ -84,6 +86,7 @@ class Validator:
             infinite=False,
             dataset_format=cfg.dataset_format,
             chat=chat,
+            image_chat=image_chat,
         )
 
     def should_validate(self, step: int) -> bool:
@@ -93,7 +96,7 @@ class Validator:
     def _forward_one_part(self, model_parts: list[nn.Module], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if len(model_parts) != 1:
             raise ValueError(f"validation of {len(model_parts)} model parts needs a batch_loss")
-        batch = Batch(*(t.to(self.device, non_blocking=True) for t in batch))
+        batch = batch.to(self.device)
         with self.autocast():
             logits = model_parts[0](batch.input_ids, **self.model_inputs(batch))
         # The training loss divided by 1 instead of the global token count: the summed cross-entropy.

@@ -58,6 +58,8 @@ qwen3_vl_flavors: dict[str, Qwen3VLModelArgs] = {
     # The debug tower: 2 blocks, 32 x 32 pixel merge blocks (patch 16), DeepStack from both blocks.
     "debugmodel": Qwen3VLModelArgs(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, mrope_section=(12, 10, 10),
+        # The vision tokens of assets/tokenizer_vision: the debug tokenizer's, appended after its 2048 ids.
+        vision_start_token_id=2048, vision_end_token_id=2049, image_token_id=2051,
         vision=VisionArgs(depth=2, dim=128, ffn_dim=384, n_heads=4, num_position_embeddings=256,
                           deepstack_indexes=(0, 1))),
     "2B": _published(2048, 28, 16, 6144, tie=True, vision=_SMALL_TOWER),

@@ -36,15 +36,22 @@ class DocumentMasking:
                    labels=training.loss_chunk_size > 0)
 
     def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The keyword arguments of the model's forward beyond the tokens."""
+        """The keyword arguments of the model's forward beyond the tokens that go token by token (context
+        parallelism splits them with the tokens). A batch with images always gives its M-RoPE positions."""
+        images = getattr(batch, "per_token", dict)()
         inputs = {}
         if self.block_causal:
             inputs["document_ids"] = batch.document_ids
-        if self.per_document_positions:
+        if self.per_document_positions or images:
             inputs["positions"] = batch.positions
         if self.labels:
             inputs["labels"] = batch.labels
-        return inputs
+        return {**inputs, **images}
+
+    @staticmethod
+    def image_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+        """The keyword arguments that go row by row: the images (models/shared/vision_language.py)."""
+        return getattr(batch, "per_row", dict)()
 
     def describe(self) -> str:
         mask = "block-causal (within documents)" if self.block_causal else "causal"

@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torchtitan.data.config import Chat
+from torchtitan.data.image_chat import ImageChat
+from torchtitan.data.images import ImagePatching
 from torchtitan.models.shared.attention import DocumentMask
 from torchtitan.models.shared.rope import mrope_streams
 from torchtitan.models.shared.vision import VisionTower
@@ -44,6 +47,18 @@ def row_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
                          f"{tuple(pixel_values.shape)} holds {pixel_values.shape[1]} per row")
     real = torch.arange(pixel_values.shape[1], device=pixel_values.device) < per_row.to(pixel_values.device)[:, None]
     return pixel_values[real], grids[sizes > 0], per_row
+
+
+def image_chat(args, chat: Chat) -> ImageChat | None:
+    """How chat data's images are read for a model with these args (training.chat's image settings and the tower's
+    patching); None for a model without a vision tower."""
+    vision = getattr(args, "vision", None)
+    if vision is None:
+        return None
+    patching = ImagePatching(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                             merge_size=vision.spatial_merge_size, min_pixels=chat.image_min_pixels,
+                             max_pixels=chat.image_max_pixels)
+    return ImageChat(patching, args.image_token_id, chat.images_column, chat.messages_column, chat.max_image_tokens)
 
 
 class VisionLanguageDecoder:
