@@ -55,11 +55,14 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str, preserve_rng
         return
     per_op = mode == "selective" and selective_ac_option == "op"
     every = 1 if mode == "full" or per_op else int(selective_ac_option)
-    for index, (name, block) in enumerate(list(model.layers.items())):
-        if index % every:
-            continue
-        kwargs = {"context_fn": _op_policy} if per_op else {}
-        wrapped = checkpoint_wrapper(
-            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng_state, **kwargs
-        )
-        model.layers.register_module(name, wrapped)
+    # A vision tower's blocks (models/shared/vision.py) are checkpointed like the decoder's.
+    tower = getattr(model, "visual", None)
+    for stack in [model.layers, *([tower.blocks] if tower is not None else [])]:
+        for index, (name, block) in enumerate(list(stack.items())):
+            if index % every:
+                continue
+            kwargs = {"context_fn": _op_policy} if per_op else {}
+            wrapped = checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=preserve_rng_state, **kwargs
+            )
+            stack.register_module(name, wrapped)

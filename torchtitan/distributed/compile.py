@@ -22,3 +22,9 @@ def apply_compile(model: nn.Module, backend: str, fullgraph: bool = True) -> Non
         compiled = torch.compile(block, backend=backend, fullgraph=fullgraph)
         compiled.register_forward_pre_hook(_wait_for_collectives, with_kwargs=True)
         model.layers.register_module(name, compiled)
+    tower = getattr(model, "visual", None)
+    if tower is not None:
+        # A vision block's attention runs image by image, a loop over a batch's own image sizes that a graph would
+        # specialise on: its MLP is compiled (dynamic in the patch count), the attention stays eager.
+        for block in tower.blocks.values():
+            block.mlp = torch.compile(block.mlp, backend=backend, fullgraph=True, dynamic=True)

@@ -49,6 +49,11 @@ def apply_fsdp(
                 fully_shard(experts, reshard_after_forward=reshard, **{**kwargs, "mesh": expert_mesh},
                             shard_placement_fn=_expert_shard_placement(experts, expert_mesh))
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    tower = getattr(model, "visual", None)  # a vision tower (first pipeline stage): its blocks, then the rest of it
+    if tower is not None:
+        for block in tower.blocks.values():
+            fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        fully_shard(tower, reshard_after_forward=reshard, **kwargs)
     final = [m for m in ((embeddings if tied else None), norm, output) if m is not None]
     if final:
         # The last unit is needed again right away in backward, so keep it gathered.

@@ -20,10 +20,13 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from torch.nn.utils.stateless import _reparametrize_module
 
 from torchtitan.config.job_config import Compile, Parallelism, Training
 from torchtitan.distributed.collectives import sum_grad_over
@@ -123,6 +126,42 @@ class ReplicatedWeightsOnly(ParallelStyle):
         return distribute_module(module, device_mesh)
 
 
+class ComputedWholeOnEveryRank(ParallelStyle):
+    """A module too small to split that every TP rank computes whole on the same input (the vision tower): its
+    weights become replicated DTensors (one kind of parameter for the optimizers, grad-norm clipping and FSDP), and
+    its forward runs on their local tensors, so it computes as plain code does. The gradient reaching its outputs
+    must be whole on every rank (IMAGE_TOKENS_PLAN sees to it for the tower): the weights' gradients then are."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        swapped = []
+
+        def enter(module, args):
+            # to_local is differentiable: the local gradient comes back to the replicated weight.
+            local = {name: p.to_local() for name, p in module.named_parameters()}
+            swapped.append(_reparametrize_module(module, local))
+            swapped[-1].__enter__()
+
+        def leave(module, args, output):
+            swapped.pop().__exit__(None, None, None)
+
+        distribute_module(module, device_mesh)
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
+# The image features go into the whole sequence on every rank, which then keeps its sequence shard: the gradient
+# coming back is gathered whole (the backward of that split), so every rank's features, and the tower that made
+# them (computed whole on every rank: its weights are replicated), get the whole gradient. DeepStack adds features
+# after a block, whose output is sequence shards: gathered first.
+IMAGE_TOKENS_PLAN = {
+    "image_scatter": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    "deepstack_scatter": PrepareModuleInputOutput(
+        input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+        use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+}
+
+
 def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
                      block_plan: BlockPlan | None = None) -> None:
     """Megatron-style TP with sequence parallelism on the norms, for a decoder named like Llama's
@@ -140,11 +179,15 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
     # torch's SequenceParallel makes the parameters it distributes trainable whatever they were; a frozen weight
     # (a LoRA base's norm) is frozen again below.
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    # A model that reads images (models/shared/vision_language.py) places them in the whole sequence: its
+    # embeddings stay whole until then.
+    images = getattr(model, "image_scatter", None) is not None
     parallelize_module(
         model,
         tp_mesh,
         {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
+                                              output_layouts=Replicate() if images else Shard(1)),
             "norm": SequenceParallel(),
             # A head that computes the loss (ChunkedLinearCrossEntropy) reduces over the vocab shards itself and
             # returns a replicated scalar.
@@ -164,6 +207,9 @@ def apply_decoder_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool,
         }
         plan = {name: _style(entry, block.get_submodule(name)) for name, entry in plan.items()}
         parallelize_module(block, tp_mesh, plan)
+    if images:
+        tower = {"visual": ComputedWholeOnEveryRank()} if model.visual is not None else {}  # on the first stage
+        parallelize_module(model, tp_mesh, {**IMAGE_TOKENS_PLAN, **tower})
     if hasattr(model, "tie_weights"):
         # Embedding and output are both sharded on the vocabulary (dim 0), so a tied pair can share
         # one DTensor again after the plan gave each module its own.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from torchtitan.data.config import Chat
 from torchtitan.data.image_chat import ImageChat
@@ -61,6 +62,24 @@ def image_chat(args, chat: Chat) -> ImageChat | None:
     return ImageChat(patching, args.image_token_id, chat.images_column, chat.messages_column, chat.max_image_tokens)
 
 
+class ImageScatter(nn.Module):
+    """Puts image features at the image tokens' places: replaces the hidden states there, or with ``add`` adds to
+    them (DeepStack). A module of its own so that tensor parallelism can give it the whole sequence
+    (distributed/tensor_parallel.py): the features are used by every rank, and their gradient must be whole."""
+
+    def __init__(self, add: bool = False):
+        super().__init__()
+        self.add = add
+
+    def forward(self, h: torch.Tensor, features: torch.Tensor | None, image_mask: torch.Tensor | None,
+                gather: torch.Tensor | None) -> torch.Tensor:
+        if features is None:
+            return h
+        placed = features[gather].to(h.dtype)
+        return h + torch.where(image_mask[..., None], placed, 0) if self.add else torch.where(
+            image_mask[..., None], placed, h)
+
+
 class VisionLanguageDecoder:
     """Mix into a decoder class (``class Qwen3VL(VisionLanguageDecoder, Decoder)``): adds the vision tower, takes
     images in forward and run_blocks, and reads M-RoPE positions. Its args need ``vision`` (VisionArgs),
@@ -69,6 +88,7 @@ class VisionLanguageDecoder:
     def __init__(self, args):
         super().__init__(args)
         self.visual = VisionTower(args.vision)
+        self.image_scatter, self.deepstack_scatter = ImageScatter(), ImageScatter(add=True)
         self.register_buffer("rope_streams", self._rope_streams(), persistent=False)
 
     def _rope_streams(self, device: torch.device | None = None) -> torch.Tensor:
@@ -94,18 +114,21 @@ class VisionLanguageDecoder:
                    image_grid_thw: torch.Tensor | None = None, image_index: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """Decoder.run_blocks with the images' tokens in place and DeepStack after the first blocks."""
-        h = self.tok_embeddings(tokens) if self.embeds_input else tokens  # a later pipeline stage gets hidden states
-        deepstack, image_mask, gather = [], None, None
-        if pixel_values is not None and self.visual is not None:
-            features, deepstack, image_mask, gather = self._image_features(tokens, pixel_values, image_grid_thw,
-                                                                           image_index)
-            h = torch.where(image_mask[..., None], features[gather].to(h.dtype), h)
+        features, deepstack, image_mask, gather = None, [], None, None
+        if self.embeds_input:  # a later pipeline stage gets hidden states, and has no tower
+            h = self.tok_embeddings(tokens)
+            if pixel_values is not None:
+                features, deepstack, image_mask, gather = self._image_features(tokens, pixel_values,
+                                                                               image_grid_thw, image_index)
+            h = self.image_scatter(h, features, image_mask, gather)
+        else:
+            h = tokens
         if positions is not None and positions.dim() == 3:
             positions = positions[..., self.rope_streams]  # a position per frequency
         for k, layer in enumerate(self.main_layers()):
             h = layer(h, self.rope, documents=documents, positions=positions)
             if k < len(deepstack):
-                h = h + torch.where(image_mask[..., None], deepstack[k][gather].to(h.dtype), 0)
+                h = self.deepstack_scatter(h, deepstack[k], image_mask, gather)
         return h
 
     def _image_features(self, tokens: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
