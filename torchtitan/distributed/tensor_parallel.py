@@ -130,24 +130,33 @@ class ComputedWholeOnEveryRank(ParallelStyle):
     """A module too small to split that every TP rank computes whole on the same input (the vision tower): its
     weights become replicated DTensors (one kind of parameter for the optimizers, grad-norm clipping and FSDP), and
     its forward runs on their local tensors, so it computes as plain code does. The gradient reaching its outputs
-    must be whole on every rank (IMAGE_TOKENS_PLAN sees to it for the tower): the weights' gradients then are."""
+    must be whole on every rank (IMAGE_TOKENS_PLAN sees to it for the tower): the weights' gradients then are.
+
+    The swap to local tensors is made for the whole module's forward (which may read a weight directly) and again
+    for each submodule's own weights when that submodule runs alone: activation checkpointing recomputes a block
+    in the backward, outside the module's forward."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        swapped = []
-
-        def enter(module, args):
-            # to_local is differentiable: the local gradient comes back to the replicated weight.
-            local = {name: p.to_local() for name, p in module.named_parameters()}
-            swapped.append(_reparametrize_module(module, local))
-            swapped[-1].__enter__()
-
-        def leave(module, args, output):
-            swapped.pop().__exit__(None, None, None)
-
         distribute_module(module, device_mesh)
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave)
+        _run_on_local_weights(module, recurse=True)
+        for submodule in module.modules():
+            if any(True for _ in submodule.parameters(recurse=False)):
+                _run_on_local_weights(submodule, recurse=False)
         return module
+
+
+def _run_on_local_weights(module: nn.Module, recurse: bool) -> None:
+    """Make ``module``'s forward see the local tensors of its replicated weights (to_local is differentiable: the
+    gradient comes back to the replicated weight); weights already swapped by an enclosing module are left. A
+    with-block, not a pair of hooks: a forward that stops early (checkpointing's recompute does) still restores."""
+    forward = module.forward
+
+    def on_local_weights(*args, **kwargs):
+        local = {name: p.to_local() for name, p in module.named_parameters(recurse=recurse) if isinstance(p, DTensor)}
+        with _reparametrize_module(module, local):
+            return forward(*args, **kwargs)
+
+    module.forward = on_local_weights
 
 
 # The image features go into the whole sequence on every rank, which then keeps its sequence shard: the gradient

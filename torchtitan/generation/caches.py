@@ -46,9 +46,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class DecodeStep:
     """The slots of the current forward and each row's first real slot, shared by every layer's cache."""
 
-    def __init__(self, starts: torch.Tensor, capacity: int):
+    def __init__(self, starts: torch.Tensor, capacity: int, position_table: torch.Tensor | None = None):
         self.starts = starts  # (B,) long
         self.capacity = capacity  # slots a row may fill: the longest prompt plus the most new tokens
+        # Each slot's positions where they are not slot - start: M-RoPE's (B, capacity, 3) (generation/images.py).
+        self.position_table = position_table
         self.slot0, self.length, self.padding = 0, 0, 0
         self._masks: dict[tuple, torch.Tensor] = {}
 
@@ -71,6 +73,8 @@ class DecodeStep:
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows go on (the others finished)."""
         self.starts = self.starts[rows]
+        if self.position_table is not None:
+            self.position_table = self.position_table[rows]
         self._masks.clear()
 
     @property
@@ -88,7 +92,10 @@ class DecodeStep:
         return slots[None] >= self.starts[:, None]
 
     def positions(self) -> torch.Tensor:
-        """(B, length) RoPE positions of this forward's tokens: slot - start (pads at 0)."""
+        """(B, length) RoPE positions of this forward's tokens: slot - start (pads at 0); or the position table's
+        (B, length, 3)."""
+        if self.position_table is not None:
+            return self.position_table[:, self.slot0:self.slot0 + self.length]
         return (self.slots[None] - self.starts[:, None]).clamp(min=0)
 
     def resets(self) -> torch.Tensor:

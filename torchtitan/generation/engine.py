@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchtitan.generation.caches import DecodeStep, cache_bytes_per_row, installed, mixers
+from torchtitan.generation.images import GroupImages, Images, check_prompt_images
 from torchtitan.generation.sampling import SamplingConfig, choose
 from torchtitan.models.shared.moe import load_statistics_kept
 
@@ -87,10 +88,14 @@ class GenerationEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
                  stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
-                 decode: Callable[[list[int]], str] | None = None, keep_logits: bool = False) -> list[Completion]:
-        """One Completion per prompt (token ids), in order. ``stop_strings`` need ``decode`` (token ids -> text)."""
+                 decode: Callable[[list[int]], str] | None = None, keep_logits: bool = False,
+                 images: Sequence[Images] | None = None) -> list[Completion]:
+        """One Completion per prompt (token ids), in order. ``stop_strings`` need ``decode`` (token ids -> text).
+        ``images``: for a vision-language model, each prompt's images (generation/images.py)."""
         sampling.check()
         self._check(prompts, stop_strings, decode)
+        if images is not None:
+            check_prompt_images(self.model, prompts, images)
         budgets = [min(sampling.max_new_tokens, self.max_seq_len - len(p)) for p in prompts]
         groups = self._groups(prompts, budgets)
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -102,7 +107,7 @@ class GenerationEngine:
                 for group in groups:
                     done = self._generate_group([prompts[i] for i in group], [budgets[i] for i in group], sampling,
                                                 generator, set(stop_token_ids), list(stop_strings), decode,
-                                                keep_logits)
+                                                keep_logits, None if images is None else [images[i] for i in group])
                     for i, completion in zip(group, done):
                         results[i] = completion
         finally:
@@ -151,7 +156,7 @@ class GenerationEngine:
         return self.cache_bytes(len(group), capacity) <= self.cache_budget_bytes
 
     def _generate_group(self, prompts, budgets, sampling, generator, stop_ids, stop_strings, decode,
-                        keep_logits) -> list[Completion]:
+                        keep_logits, images) -> list[Completion]:
         rows = len(prompts)
         longest = max(len(p) for p in prompts)
         tokens = torch.zeros(rows, longest, dtype=torch.long)
@@ -159,13 +164,16 @@ class GenerationEngine:
             tokens[b, longest - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
         tokens = tokens.to(self.device)
         starts = torch.tensor([longest - len(p) for p in prompts], device=self.device)
-        step = DecodeStep(starts, longest + max(budgets))
+        capacity = longest + max(budgets)
+        shown = None if images is None else GroupImages(self.model, prompts, images, capacity, self.device)
+        step = DecodeStep(starts, capacity, None if shown is None else shown.position_table)
         completions = [Completion(logits=[] if keep_logits else None) for _ in prompts]
         live = list(range(rows))  # the completions of the batch's rows, in row order
         with installed(self.model, step) as caches:
             for slot0 in range(0, longest, self.prefill_chunk):
                 end = min(slot0 + self.prefill_chunk, longest)
-                logits = self._forward(step, tokens[:, slot0:end], slot0)
+                logits = self._forward(step, tokens[:, slot0:end], slot0,
+                                       shown.prefill_inputs(slot0, end) if shown is not None else {})
             slot = longest
             while True:
                 chosen, logprobs = choose(logits, sampling, generator)
@@ -195,8 +203,11 @@ class GenerationEngine:
                 completion.text = _cut(decode(completion.tokens), stop_strings)
         return completions
 
-    def _forward(self, step: DecodeStep, tokens: torch.Tensor, slot0: int) -> torch.Tensor:
-        """The logits (rows, vocab) after these tokens, which sit at slots slot0, slot0 + 1, ..."""
+    def _forward(self, step: DecodeStep, tokens: torch.Tensor, slot0: int,
+                 images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The logits (rows, vocab) after these tokens, which sit at slots slot0, slot0 + 1, ...; ``images``: the
+        image inputs of a prefill chunk (generation/images.py)."""
+        images = dict(images or {})
         length = tokens.shape[1]
         # Sequence parallelism splits the positions evenly over the TP ranks (a decode step has one): pad with
         # copies of the last token, which the caches neither store nor attend from (caches.py).
@@ -204,8 +215,10 @@ class GenerationEngine:
         step.advance(slot0, length, padding)
         positions = step.positions()
         if padding:
-            tokens, positions = (torch.cat([t, t[:, -1:].expand(-1, padding)], dim=1) for t in (tokens, positions))
-        h = self.model.run_blocks(tokens, None, positions)
+            tokens, positions = (_pad_last(t, padding) for t in (tokens, positions))
+            if "image_index" in images:
+                images["image_index"] = _pad_last(images["image_index"], padding)
+        h = self.model.run_blocks(tokens, None, positions, **images)
         if self._tp_mesh is not None:
             # Each rank holds a slice of the positions: gather them, so that every rank hands the head the same
             # last position (the head's plan, reading its input as sequence shards, sees tp copies of it).
@@ -269,6 +282,11 @@ def _tensor_parallel_mesh(model: nn.Module) -> DeviceMesh | None:
         return None
     mesh = weight.device_mesh
     return mesh if mesh.ndim == 1 else mesh["tp"]
+
+
+def _pad_last(t: torch.Tensor, padding: int) -> torch.Tensor:
+    """``t`` with its last position (dimension 1) repeated ``padding`` more times."""
+    return torch.cat([t, t[:, -1:].expand(-1, padding, *t.shape[2:])], dim=1)
 
 
 def _cut(text: str, stop_strings: Sequence[str]) -> str:
