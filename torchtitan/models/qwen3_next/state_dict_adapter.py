@@ -62,7 +62,8 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
     # read through layer_types.
     hf_ignored: ClassVar[frozenset[str]] = frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
                                                       "full_attention_interval"})
-    # Our linear blocks' tensors that the format stores fused with others (to_hf and from_hf convert them).
+    # Our linear blocks' tensors that the format stores fused with others (to_hf and from_hf convert them); none
+    # where the format keeps them apart and they map by name (Qwen3.5).
     fused_ours: ClassVar[tuple[str, ...]] = _FUSED_OURS
     args: Qwen3NextModelArgs
 
@@ -81,7 +82,9 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         types, n = view["layer_types"], view["num_hidden_layers"]
         # The interval whose pattern layer_types is (n + 1: all linear); none such is refused when compared.
         interval = next((k for k in range(1, n + 2) if _layer_types(k, n) == types), 4)
-        return dict(**cls._decoder_fields(view), head_dim=view["head_dim"], hidden_dim=view["intermediate_size"],
+        # A format whose blocks are all MoE may have no dense width (Qwen3.5-MoE): the args' default stands.
+        dense = {"hidden_dim": view["intermediate_size"]} if "intermediate_size" in view else {}
+        return dict(**cls._decoder_fields(view), **dense, head_dim=view["head_dim"],
                     partial_rotary_factor=float(view["partial_rotary_factor"]), full_attention_interval=interval,
                     linear_n_key_heads=view["linear_num_key_heads"],
                     linear_n_value_heads=view["linear_num_value_heads"],
@@ -148,7 +151,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state, fused = dict(state), {}
         nk, dk, r, dv = self._sizes()
-        for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))}:
+        for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))} if self.fused_ours else ():
             ours, hf = f"layers.{layer}.attention.", f"model.layers.{layer}.linear_attn."
             if ours + "in_proj_qkv.weight" not in state:
                 continue
@@ -167,7 +170,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
             logger.info(f"{self.family}: skipped the checkpoint's {len(mtp)} multi-token prediction tensors (mtp.*)")
         state, split = {k: v for k, v in state.items() if not k.startswith("mtp.")}, {}
         nk, dk, r, dv = self._sizes()
-        for name in [n for n in state if n.endswith(_FUSED_HF)]:
+        for name in [n for n in state if n.endswith(_FUSED_HF)] if self.fused_ours else ():
             match = _HF_LAYER.match(name)
             if match is None:
                 raise UnexpectedWeightError(name, self.family)
