@@ -64,7 +64,10 @@ class VisionLanguageAdapter:
         if name.startswith(VISUAL):
             return name.removeprefix("model.").replace("patch_embed.proj.", "patch_embed.")
         if name.startswith(TEXT):
-            return super().our_name("model." + name.removeprefix(TEXT))
+            try:
+                return super().our_name("model." + name.removeprefix(TEXT))
+            except UnexpectedWeightError:
+                raise UnexpectedWeightError(name, self.family) from None  # the name as the file has it
         if name == "lm_head.weight":
             return super().our_name(name)
         raise UnexpectedWeightError(name, self.family)
