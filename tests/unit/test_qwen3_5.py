@@ -31,11 +31,11 @@ MOE = MoEArgs(num_experts=8, top_k=2, hidden_dim=32, score_func="softmax", route
 def _args(moe: bool = False, **overrides) -> Qwen3_5ModelArgs:
     # 16 rotary channels of 64 (8 frequencies, interleaved 3/3/2); 2 linear key heads each serving 2 value heads.
     vision = VisionArgs(depth=2, dim=32, ffn_dim=48, n_heads=2, patch_size=4, num_position_embeddings=64)
-    fields = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=96, vocab_size=100,
-                  rope_theta=10_000.0, linear_n_key_heads=2, linear_n_value_heads=4, linear_key_head_dim=16,
-                  linear_value_head_dim=16, mrope_section=(3, 3, 2), image_token_id=IMAGE,
-                  vision_start_token_id=START, vision_end_token_id=END, max_seq_len=256, vision=vision,
-                  moe=MOE if moe else None)
+    fields = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "hidden_dim": 96,
+              "vocab_size": 100, "rope_theta": 10_000.0, "linear_n_key_heads": 2, "linear_n_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "mrope_section": (3, 3, 2),
+              "image_token_id": IMAGE, "vision_start_token_id": START, "vision_end_token_id": END,
+              "max_seq_len": 256, "vision": vision, "moe": MOE if moe else None}
     return Qwen3_5ModelArgs(**{**fields, **overrides})
 
 
@@ -141,9 +141,9 @@ def test_a_checkpoint_saved_by_transformers_imports_with_its_logits(tmp_path, mo
 
 
 def test_a_config_json_the_family_cannot_compute_is_refused_by_key():
-    for moe, key, value, name in ((False, "hidden_act", "gelu", "hidden_act"),
-                                  (True, "hidden_act", "gelu", "hidden_act"),
-                                  (False, "layer_types", ["full_attention"] + ["linear_attention"] * 3, "layer_types[0]")):
+    irregular = ["full_attention"] + ["linear_attention"] * 3  # no interval makes this pattern
+    for moe, key, value, name in ((False, "hidden_act", "gelu", "hidden_act"), (True, "hidden_act", "gelu", "hidden_act"),
+                                  (False, "layer_types", irregular, "layer_types[0]")):
         config = Qwen3_5StateDictAdapter(_args(moe)).hf_config(1, 2, "float32")
         config["text_config"][key] = value
         with pytest.raises(ValueError, match=rf"{re.escape(name)}: config.json has"):

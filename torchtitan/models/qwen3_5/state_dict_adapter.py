@@ -50,10 +50,11 @@ class Qwen3_5StateDictAdapter(VisionLanguageAdapter, Qwen3NextStateDictAdapter):
     hf_model_type = "qwen3_5"
     text_model_type = "qwen3_5_text"
     vision_model_type = "qwen3_5_vision"
-    vision_defaults = {key: value for key, value in VISION_DEFAULTS.items() if key != DEEPSTACK}
-    default_mrope_section = [11, 11, 10]
-    default_token_ids = {"image_token_id": QWEN3_5_IMAGE_PAD, "video_token_id": QWEN3_5_VIDEO_PAD,
-                         "vision_start_token_id": QWEN3_5_VISION_START, "vision_end_token_id": QWEN3_5_VISION_END}
+    vision_defaults: ClassVar[dict] = {key: value for key, value in VISION_DEFAULTS.items() if key != DEEPSTACK}
+    default_mrope_section: ClassVar[list[int]] = [11, 11, 10]
+    default_token_ids: ClassVar[dict[str, int]] = {
+        "image_token_id": QWEN3_5_IMAGE_PAD, "video_token_id": QWEN3_5_VIDEO_PAD,
+        "vision_start_token_id": QWEN3_5_VISION_START, "vision_end_token_id": QWEN3_5_VISION_END}
     args_class = Qwen3_5ModelArgs
     extra_layer_names: ClassVar[dict[str, str]] = {
         **Qwen3NextStateDictAdapter.extra_layer_names,
@@ -67,9 +68,10 @@ class Qwen3_5StateDictAdapter(VisionLanguageAdapter, Qwen3NextStateDictAdapter):
 
     def __new__(cls, args: Qwen3_5ModelArgs):
         # One family, two transformers architectures: the flavor's feed-forward picks the format.
+        chosen = cls
         if cls in (Qwen3_5StateDictAdapter, Qwen3_5MoeStateDictAdapter):
-            cls = Qwen3_5StateDictAdapter if args.moe is None else Qwen3_5MoeStateDictAdapter
-        return super().__new__(cls)
+            chosen = Qwen3_5StateDictAdapter if args.moe is None else Qwen3_5MoeStateDictAdapter
+        return super().__new__(chosen)
 
     @classmethod
     def args_from_hf_config(cls, config: dict) -> Qwen3_5ModelArgs:

@@ -84,13 +84,12 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         interval = next((k for k in range(1, n + 2) if _layer_types(k, n) == types), 4)
         # A format whose blocks are all MoE may have no dense width (Qwen3.5-MoE): the args' default stands.
         dense = {"hidden_dim": view["intermediate_size"]} if "intermediate_size" in view else {}
-        return dict(**cls._decoder_fields(view), **dense, head_dim=view["head_dim"],
-                    partial_rotary_factor=float(view["partial_rotary_factor"]), full_attention_interval=interval,
-                    linear_n_key_heads=view["linear_num_key_heads"],
-                    linear_n_value_heads=view["linear_num_value_heads"],
-                    linear_key_head_dim=view["linear_key_head_dim"],
-                    linear_value_head_dim=view["linear_value_head_dim"],
-                    linear_conv_kernel=view["linear_conv_kernel_dim"])
+        return {**cls._decoder_fields(view), **dense, "head_dim": view["head_dim"],
+                "partial_rotary_factor": float(view["partial_rotary_factor"]), "full_attention_interval": interval,
+                "linear_n_key_heads": view["linear_num_key_heads"], "linear_n_value_heads": view["linear_num_value_heads"],
+                "linear_key_head_dim": view["linear_key_head_dim"],
+                "linear_value_head_dim": view["linear_value_head_dim"],
+                "linear_conv_kernel": view["linear_conv_kernel_dim"]}
 
     @classmethod
     def _moe_from_hf_view(cls, view: dict) -> tuple[MoEArgs | None, int]:
@@ -150,7 +149,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state, fused = dict(state), {}
-        nk, dk, r, dv = self._sizes()
+        nk, _, r, dv = self._sizes()
         for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))} if self.fused_ours else ():
             ours, hf = f"layers.{layer}.attention.", f"model.layers.{layer}.linear_attn."
             if ours + "in_proj_qkv.weight" not in state:

@@ -159,9 +159,10 @@ class Qwen3VLStateDictAdapter(VisionLanguageAdapter, Qwen3StateDictAdapter):
     hf_default_theta: ClassVar[float] = 500_000.0  # Qwen3VLTextConfig's
     text_model_type = "qwen3_vl_text"
     vision_model_type = "qwen3_vl_vision"
-    vision_defaults = VISION_DEFAULTS
-    default_mrope_section = [24, 20, 20]
-    default_token_ids = {"image_token_id": QWEN_IMAGE_PAD, "video_token_id": QWEN_VIDEO_PAD,
-                         "vision_start_token_id": QWEN_VISION_START, "vision_end_token_id": QWEN_VISION_END}
+    vision_defaults: ClassVar[dict] = VISION_DEFAULTS
+    default_mrope_section: ClassVar[list[int]] = [24, 20, 20]
+    default_token_ids: ClassVar[dict[str, int]] = {
+        "image_token_id": QWEN_IMAGE_PAD, "video_token_id": QWEN_VIDEO_PAD, "vision_start_token_id": QWEN_VISION_START,
+        "vision_end_token_id": QWEN_VISION_END}
     args_class = Qwen3VLModelArgs
     args: Qwen3VLModelArgs
