@@ -16,8 +16,8 @@ from torchtitan.models.shared.vision import VisionArgs
 
 # Qwen's vocabulary ids of the vision tokens.
 QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD = 151652, 151653, 151655
-# Their ids in the debug tokenizer (assets/tokenizer), whose 2048 text ids are followed by <|vision_start|>,
-# <|vision_end|>, <|vision_pad|> and <|image_pad|>: the debug flavors of the vision-language families use these.
+# Their ids in the debug tokenizer with vision tokens (assets/tokenizer_vision: the 2048 text ids of assets/tokenizer
+# followed by <|vision_start|>, <|vision_end|>, <|vision_pad|> and <|image_pad|>), which the debug flavors use.
 DEBUG_VISION_START, DEBUG_VISION_END, DEBUG_IMAGE_PAD = 2048, 2049, 2051
 DEBUG_VISION_TOKENS = {"image_token_id": DEBUG_IMAGE_PAD, "vision_start_token_id": DEBUG_VISION_START,
                        "vision_end_token_id": DEBUG_VISION_END}
@@ -73,8 +73,10 @@ qwen3_vl_flavors: dict[str, Qwen3VLModelArgs] = {
     # The debug tower: 2 blocks, 32 x 32 pixel merge blocks (patch 16), DeepStack from both blocks.
     "debugmodel": Qwen3VLModelArgs(
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, mrope_section=(12, 10, 10),
+        # The vision tokens of assets/tokenizer_vision: the debug tokenizer's, appended after its 2048 ids.
+        vision_start_token_id=2048, vision_end_token_id=2049, image_token_id=2051,
         vision=VisionArgs(depth=2, dim=128, ffn_dim=384, n_heads=4, num_position_embeddings=256,
-                          deepstack_indexes=(0, 1)), **DEBUG_VISION_TOKENS),
+                          deepstack_indexes=(0, 1))),
     "2B": _published(2048, 28, 16, 6144, tie=True, vision=_SMALL_TOWER),
     "4B": _published(2560, 36, 32, 9728, tie=True, vision=_SMALL_TOWER),
     "8B": _published(4096, 36, 32, 12288, tie=False, vision=_LARGE_TOWER),
