@@ -139,7 +139,8 @@ ROOMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("expert_load", "fault_tolerance", "float8", "preemption", "step_guard"),
     ),
     "torchtitan.models": (
-        ("shared", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "qwen3_vl"),
+        ("shared", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "qwen3_vl",
+         "qwen3_5"),
         (),
     ),
 }

@@ -2,8 +2,9 @@
 
 Gated attention and the MoE map by name. A Gated DeltaNet layer's projections are fused differently: the format
 keeps per key head [q, k, values, z] in one in_proj_qkvz and [beta, decay] rows in in_proj_ba, and orders the
-conv's channels [all q | all k | all v], where ours are grouped per key head (so that tensor parallelism cuts whole
-heads); these tensors are regrouped, exactly, both ways.
+conv's channels [all q | all k | all v] ("streams"), where ours are grouped per key head (so that tensor parallelism
+cuts whole heads); these tensors are regrouped, exactly, both ways. (Qwen3.5's format keeps the four projections
+apart, in_proj_qkv in streams order like the conv: models/qwen3_5/state_dict_adapter.py.)
 
 From a config.json (models/shared/hf_config.py): any widths, rotary share, linear-attention sizes and expert counts,
 dense blocks first (mlp_only_layers 0..k-1); layer_types must be linear blocks with every k-th full; refused: other
@@ -25,8 +26,9 @@ from torchtitan.models.shared.moe import MoEArgs
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED_OURS = ("attention.in_proj_qkv.weight", "attention.in_proj_z.weight", "attention.in_proj_b.weight",
-               "attention.in_proj_a.weight", "attention.conv.weight")
-_FUSED_HF = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight", "linear_attn.conv1d.weight")
+               "attention.in_proj_a.weight")
+_FUSED_HF = ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")
+CONV = "attention.conv.weight"
 
 
 class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
@@ -38,6 +40,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         "attention.decay.A_log": "linear_attn.A_log",
         "attention.decay.dt_bias": "linear_attn.dt_bias",
         "attention.norm.weight": "linear_attn.norm.weight",
+        CONV: "linear_attn.conv1d.weight",
         "moe.router.gate.weight": "mlp.gate.weight",
         "moe.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
         "moe.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
@@ -59,6 +62,9 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
     # read through layer_types.
     hf_ignored: ClassVar[frozenset[str]] = frozenset({"use_sliding_window", "sliding_window", "max_window_layers",
                                                       "full_attention_interval"})
+    # Our linear blocks' tensors that the format stores fused with others (to_hf and from_hf convert them); none
+    # where the format keeps them apart and they map by name (Qwen3.5).
+    fused_ours: ClassVar[tuple[str, ...]] = _FUSED_OURS
     args: Qwen3NextModelArgs
 
     @classmethod
@@ -67,19 +73,32 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
 
     @classmethod
     def _args_from_hf_view(cls, view: dict) -> Qwen3NextModelArgs:
+        moe, n_dense = cls._moe_from_hf_view(view)
+        return Qwen3NextModelArgs(**cls._hybrid_fields(view), moe=moe, n_dense_layers=n_dense)
+
+    @classmethod
+    def _hybrid_fields(cls, view: dict) -> dict:
+        """The args fields of the decoder, its attention and its linear blocks."""
         types, n = view["layer_types"], view["num_hidden_layers"]
         # The interval whose pattern layer_types is (n + 1: all linear); none such is refused when compared.
         interval = next((k for k in range(1, n + 2) if _layer_types(k, n) == types), 4)
+        # A format whose blocks are all MoE may have no dense width (Qwen3.5-MoE): the args' default stands.
+        dense = {"hidden_dim": view["intermediate_size"]} if "intermediate_size" in view else {}
+        return {**cls._decoder_fields(view), **dense, "head_dim": view["head_dim"],
+                "partial_rotary_factor": float(view["partial_rotary_factor"]), "full_attention_interval": interval,
+                "linear_n_key_heads": view["linear_num_key_heads"], "linear_n_value_heads": view["linear_num_value_heads"],
+                "linear_key_head_dim": view["linear_key_head_dim"],
+                "linear_value_head_dim": view["linear_value_head_dim"],
+                "linear_conv_kernel": view["linear_conv_kernel_dim"]}
+
+    @classmethod
+    def _moe_from_hf_view(cls, view: dict) -> tuple[MoEArgs | None, int]:
+        """The MoE args and the number of dense blocks first."""
         moe = MoEArgs(num_experts=view["num_experts"], top_k=view["num_experts_per_tok"],
                       hidden_dim=view["moe_intermediate_size"], score_func="softmax",
                       route_norm=bool(view["norm_topk_prob"]),
                       shared_hidden_dim=view["shared_expert_intermediate_size"], shared_gate=True)
-        return Qwen3NextModelArgs(
-            **cls._decoder_fields(view), head_dim=view["head_dim"], hidden_dim=view["intermediate_size"],
-            partial_rotary_factor=float(view["partial_rotary_factor"]), full_attention_interval=interval,
-            linear_n_key_heads=view["linear_num_key_heads"], linear_n_value_heads=view["linear_num_value_heads"],
-            linear_key_head_dim=view["linear_key_head_dim"], linear_value_head_dim=view["linear_value_head_dim"],
-            linear_conv_kernel=view["linear_conv_kernel_dim"], moe=moe, n_dense_layers=len(view["mlp_only_layers"]))
+        return moe, len(view["mlp_only_layers"])
 
     def _is_linear(self, layer: str) -> bool:
         return self.args.layer_type(int(layer)) == LINEAR
@@ -89,7 +108,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         if match and self._is_linear(match.group(1)):
             if match.group(2) == "attention.wo.weight":
                 return f"model.layers.{match.group(1)}.linear_attn.out_proj.weight"
-            if match.group(2) in _FUSED_OURS:
+            if match.group(2) in self.fused_ours:
                 raise KeyError(f"weight '{name}' is part of a fused {self.hf_architecture} tensor, not one of its own")
         return super().hf_name(name)
 
@@ -104,20 +123,42 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         return (a.linear_n_key_heads, a.linear_key_head_dim, a.linear_n_value_heads // a.linear_n_key_heads,
                 a.linear_value_head_dim)
 
+    def to_streams(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows (q, k and values channels) grouped per key head -> [all q | all k | all values]."""
+        nk, dk, r, dv = self._sizes()
+        q, k, v = tensor.reshape(nk, -1, *tensor.shape[1:]).split([dk, dk, r * dv], dim=1)
+        return torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+
+    def from_streams(self, tensor: torch.Tensor) -> torch.Tensor:
+        """to_streams undone."""
+        nk, dk, r, dv = self._sizes()
+        q, k, v = tensor.split([nk * dk, nk * dk, nk * r * dv])
+        rest = tensor.shape[1:]
+        return torch.cat([q.reshape(nk, dk, *rest), k.reshape(nk, dk, *rest), v.reshape(nk, r * dv, *rest)],
+                         dim=1).flatten(0, 1)
+
+    def tensor_to_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(CONV):
+            return self.to_streams(tensor).unsqueeze(1)  # the format's depthwise Conv1d: (channels, 1, kernel)
+        return super().tensor_to_hf(name, tensor)
+
+    def tensor_from_hf(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith(CONV):
+            return self.from_streams(tensor.squeeze(1))
+        return super().tensor_from_hf(name, tensor)
+
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state, fused = dict(state), {}
-        nk, dk, r, dv = self._sizes()
-        for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))}:
+        nk, _, r, dv = self._sizes()
+        for layer in {m.group(1) for name in state if (m := _OURS_LAYER.match(name))} if self.fused_ours else ():
             ours, hf = f"layers.{layer}.attention.", f"model.layers.{layer}.linear_attn."
             if ours + "in_proj_qkv.weight" not in state:
                 continue
-            qkv, z, b, a, conv = (state.pop(f"layers.{layer}.{name}") for name in _FUSED_OURS)
+            qkv, z, b, a = (state.pop(f"layers.{layer}.{name}") for name in _FUSED_OURS)
             dim = qkv.shape[-1]
             fused[hf + "in_proj_qkvz.weight"] = torch.cat(
                 [qkv.view(nk, -1, dim), z.view(nk, r * dv, dim)], dim=1).reshape(-1, dim)
             fused[hf + "in_proj_ba.weight"] = torch.cat([b.view(nk, r, dim), a.view(nk, r, dim)], dim=1).reshape(-1, dim)
-            q, k, v = conv.view(nk, -1, conv.shape[-1]).split([dk, dk, r * dv], dim=1)
-            fused[hf + "conv1d.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)]).unsqueeze(1)
         return {**super().to_hf(state), **fused}
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -128,7 +169,7 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
             logger.info(f"{self.family}: skipped the checkpoint's {len(mtp)} multi-token prediction tensors (mtp.*)")
         state, split = {k: v for k, v in state.items() if not k.startswith("mtp.")}, {}
         nk, dk, r, dv = self._sizes()
-        for name in [n for n in state if n.endswith(_FUSED_HF)]:
+        for name in [n for n in state if n.endswith(_FUSED_HF)] if self.fused_ours else ():
             match = _HF_LAYER.match(name)
             if match is None:
                 raise UnexpectedWeightError(name, self.family)
@@ -137,18 +178,31 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
                 qkv, z = tensor.view(nk, -1, tensor.shape[-1]).split([2 * dk + r * dv, r * dv], dim=1)
                 split[ours + "in_proj_qkv.weight"] = qkv.reshape(-1, tensor.shape[-1])
                 split[ours + "in_proj_z.weight"] = z.reshape(-1, tensor.shape[-1])
-            elif name.endswith("in_proj_ba.weight"):
+            else:
                 b, a = tensor.view(nk, 2 * r, tensor.shape[-1]).split([r, r], dim=1)
                 split[ours + "in_proj_b.weight"] = b.reshape(-1, tensor.shape[-1])
                 split[ours + "in_proj_a.weight"] = a.reshape(-1, tensor.shape[-1])
-            else:
-                conv = tensor.squeeze(1)
-                q, k, v = conv.split([nk * dk, nk * dk, nk * r * dv])
-                split[ours + "conv.weight"] = torch.cat(
-                    [q.view(nk, dk, -1), k.view(nk, dk, -1), v.view(nk, r * dv, -1)], dim=1).flatten(0, 1)
         return {**super().from_hf(state), **split}
 
     def extra_hf_config(self) -> dict:
+        return {**super().extra_hf_config(), **self._hybrid_hf_config(), **self._moe_hf_config()}
+
+    def _hybrid_hf_config(self) -> dict:
+        a = self.args
+        return {
+            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
+                                "partial_rotary_factor": a.partial_rotary_factor},
+            "partial_rotary_factor": a.partial_rotary_factor,
+            "layer_types": a.layer_types,
+            "full_attention_interval": a.full_attention_interval,
+            "linear_conv_kernel_dim": a.linear_conv_kernel,
+            "linear_key_head_dim": a.linear_key_head_dim,
+            "linear_value_head_dim": a.linear_value_head_dim,
+            "linear_num_key_heads": a.linear_n_key_heads,
+            "linear_num_value_heads": a.linear_n_value_heads,
+        }
+
+    def _moe_hf_config(self) -> dict:
         a, moe = self.args, self.args.moe
         if moe is None:
             raise ValueError(f"{self.hf_architecture} has MoE blocks; this flavor has none (moe = None)")
@@ -160,17 +214,6 @@ class Qwen3NextStateDictAdapter(Qwen3StateDictAdapter):
         if moe.shared_hidden_dim <= 0:
             raise ValueError(f"{self.hf_architecture} needs a shared expert (moe.shared_hidden_dim > 0)")
         return {
-            **super().extra_hf_config(),
-            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta,
-                                "partial_rotary_factor": a.partial_rotary_factor},
-            "partial_rotary_factor": a.partial_rotary_factor,
-            "layer_types": a.layer_types,
-            "full_attention_interval": a.full_attention_interval,
-            "linear_conv_kernel_dim": a.linear_conv_kernel,
-            "linear_key_head_dim": a.linear_key_head_dim,
-            "linear_value_head_dim": a.linear_value_head_dim,
-            "linear_num_key_heads": a.linear_n_key_heads,
-            "linear_num_value_heads": a.linear_n_value_heads,
             "num_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": moe.hidden_dim,

@@ -16,17 +16,25 @@ from torchtitan.models.shared.vision import VisionArgs
 
 # Qwen's vocabulary ids of the vision tokens.
 QWEN_VISION_START, QWEN_VISION_END, QWEN_IMAGE_PAD = 151652, 151653, 151655
+# Their ids in the debug tokenizer with vision tokens (assets/tokenizer_vision: the 2048 text ids of assets/tokenizer
+# followed by <|vision_start|>, <|vision_end|>, <|vision_pad|> and <|image_pad|>), which the debug flavors use.
+DEBUG_VISION_START, DEBUG_VISION_END, DEBUG_IMAGE_PAD = 2048, 2049, 2051
+DEBUG_VISION_TOKENS = {"image_token_id": DEBUG_IMAGE_PAD, "vision_start_token_id": DEBUG_VISION_START,
+                       "vision_end_token_id": DEBUG_VISION_END}
 
 
 @dataclass
-class Qwen3VLModelArgs(Qwen3ModelArgs):
+class VisionLanguageArgs:
+    """The fields that make a decoder's args read images (models/shared/vision_language.py), mixed in before the
+    text family's args (``class Qwen3VLModelArgs(VisionLanguageArgs, Qwen3ModelArgs)``)."""
+
     vision: VisionArgs = field(default_factory=VisionArgs)
     mrope_section: tuple[int, int, int] = (24, 20, 20)
-    """RoPE frequencies read from the temporal, height and width positions (interleaved; sums to head_dim/2)."""
+    """RoPE frequencies read from the temporal, height and width positions (interleaved; sums to the rotary
+    frequencies: head_dim/2, or rotary_dim/2 where only part of each head rotates)."""
     image_token_id: int = QWEN_IMAGE_PAD
     vision_start_token_id: int = QWEN_VISION_START
     vision_end_token_id: int = QWEN_VISION_END
-    rope_theta: float = 5_000_000.0
 
     def __post_init__(self):
         # The tower writes into the decoder's embeddings: its output width is the model's.
@@ -35,13 +43,20 @@ class Qwen3VLModelArgs(Qwen3ModelArgs):
 
     def check(self) -> list[tuple[str, str]]:
         problems = super().check() + self.vision.check()
-        if sum(self.mrope_section) != self.head_dim // 2 or len(self.mrope_section) != 3:
+        rotary = "rotary_dim" if hasattr(self, "rotary_dim") else "head_dim"
+        frequencies = getattr(self, rotary) // 2
+        if sum(self.mrope_section) != frequencies or len(self.mrope_section) != 3:
             problems.append(("mrope_section", f"{tuple(self.mrope_section)} must be three counts summing to "
-                                              f"head_dim/2 = {self.head_dim // 2}"))
+                                              f"{rotary}/2 = {frequencies}"))
         if len(self.vision.deepstack_indexes) > self.n_layers:
             problems.append(("vision.deepstack_indexes", f"{len(self.vision.deepstack_indexes)} features need as "
                                                          f"many decoder blocks; the model has {self.n_layers}"))
         return problems
+
+
+@dataclass
+class Qwen3VLModelArgs(VisionLanguageArgs, Qwen3ModelArgs):
+    rope_theta: float = 5_000_000.0
 
 
 def _published(dim: int, n_layers: int, n_heads: int, hidden_dim: int, tie: bool, vision: VisionArgs
