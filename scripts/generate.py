@@ -9,10 +9,15 @@ r"""Sample text from a checkpoint with the config's tokenizer, through the gener
     python scripts/generate.py --config train_configs/sft_debug.toml \
         --checkpoint outputs/sft/checkpoint/step-100 --chat --prompt "What does \`json.dumps(obj)\` do?"
 
+    python scripts/generate.py --config train_configs/vlm_debug.toml --checkpoint outputs/vlm/checkpoint/step-600 \
+        --chat --image picture.png --prompt "What colour are the shapes?" --temperature 0
+
 Prints the prompt followed by the generated text on stdout. Several prompts (--prompt repeated, then the lines of
 --prompts_file, one prompt per line) run as one batch; each completion is printed in their order after a line
 ``=== prompt I of N ===``. With --chat each prompt is a user message, rendered with the tokenizer's chat template (as
-in fine-tuning, data/chat_template.py) up to where the assistant answers, and only the answer is printed.
+in fine-tuning, data/chat_template.py) up to where the assistant answers, and only the answer is printed. --image
+(repeatable; a vision-language model, with --chat) shows the pictures at the start of every prompt's message,
+prepared as the config's training.chat image settings say (data/image_chat.py).
 
 A completion ends at the end-of-text token, which is not printed (--no_stop_at_eos generates past it), at a --stop
 string (the text is cut before it), at --max_new_tokens, or where prompt plus new tokens reach the model's
@@ -52,12 +57,15 @@ import torch.distributed as dist
 from torchtitan.components.checkpointing.checkpoint import CheckpointError
 from torchtitan.config import ConfigError
 from torchtitan.config_check import load_model_config
+from torchtitan.data import DataError
 from torchtitan.data.chat_template import ChatTemplate, ChatTemplateError, assistant_token_mask
+from torchtitan.data.image_chat import ImageChat
 from torchtitan.device_arg import default_device, parse_device
 from torchtitan.distributed import device as device_lib
 from torchtitan.generation import GenerationEngine, SamplingConfig
 from torchtitan.generation.sharded import build_sharded_model
 from torchtitan.inference import load_checkpoint, load_model
+from torchtitan.models.shared.vision_language import image_chat
 from torchtitan.protocols.train_spec import get_train_spec
 from torchtitan.script_args import SEED, ScriptParser, integer, real
 
@@ -96,19 +104,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message and answer it through the tokenizer's chat template")
     parser.add_argument("--system", default=None, help="with --chat: a system message before the user's")
+    parser.add_argument("--image", action="append", default=[],
+                        help="with --chat, a vision-language model: a picture shown before each prompt (repeatable)")
     return parser.parse_args(argv)
 
 
-def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
+def chat_prompt(tokenizer, question: str, system: str | None = None, images: list[str] = (),
+                reader: ImageChat | None = None, seq_len: int = 0) -> tuple[list[int], list]:
     """Token ids of a conversation of one user message (after an optional system one), rendered with the
-    tokenizer's chat template and its generation prompt: where the assistant's answer begins."""
+    tokenizer's chat template and its generation prompt: where the assistant's answer begins; with ``images``
+    (files, read by ``reader``) shown first in the message, those ids expanded and the images' patches."""
     if tokenizer.chat_template is None:
         raise ValueError("--chat needs a tokenizer with a chat_template (in its tokenizer_config.json)")
     messages = ([{"role": "system", "content": system}] if system is not None else [])
+    template = ChatTemplate(tokenizer.chat_template)
+    if images:
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        return reader.prompt(tokenizer, template, [*messages, {"role": "user", "content": content}], list(images),
+                             seq_len)
     messages.append({"role": "user", "content": question})
-    ids, _ = assistant_token_mask(tokenizer, ChatTemplate(tokenizer.chat_template), messages,
-                                  add_generation_prompt=True)
-    return ids
+    ids, _ = assistant_token_mask(tokenizer, template, messages, add_generation_prompt=True)
+    return ids, []
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -167,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling.check()
         if args.system is not None and not args.chat:
             raise ValueError("--system is a chat message; add --chat (or leave --system out)")
+        if args.image and not args.chat:
+            raise ValueError("--image shows pictures in a chat message; add --chat (or leave --image out)")
         if "" in args.stop:
             raise ValueError("--stop '' is empty, which would end every completion at once; give a non-empty string")
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
@@ -178,15 +196,22 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = get_train_spec(cfg.model.name).build_tokenizer_fn(cfg.model.hf_assets_path)
         model = (sharded_model(cfg, args.checkpoint) if sharded
                  else load_model(args.config, args.checkpoint, device=str(device)))
+        reader = image_chat(model.args, cfg.training.chat)
+        if args.image and reader is None:
+            raise ValueError(f"--image needs a vision-language model; model.name {cfg.model.name!r} reads no images")
+        images = None
         if args.chat:
-            prompt_ids = [chat_prompt(tokenizer, prompt, args.system) for prompt in prompts]
+            prompted = [chat_prompt(tokenizer, prompt, args.system, args.image, reader, cfg.training.seq_len)
+                        for prompt in prompts]
+            prompt_ids, images = [ids for ids, _ in prompted], [shown for _, shown in prompted]
         else:
             prompt_ids = [tokenizer.encode(prompt, bos=True) for prompt in prompts]
         stop_ids = [] if args.no_stop_at_eos else [tokenizer.eos_id]
         engine = GenerationEngine(model, cache_budget_bytes=args.cache_budget_bytes, prefill_chunk=args.prefill_chunk)
         completions = engine.generate(prompt_ids, sampling, stop_token_ids=stop_ids, stop_strings=args.stop,
-                                      decode=lambda ids: tokenizer.decode(_without_stop(ids, stop_ids)))
-    except (ConfigError, CheckpointError, ChatTemplateError, ValueError, RuntimeError) as e:
+                                      decode=lambda ids: tokenizer.decode(_without_stop(ids, stop_ids)),
+                                      images=images if args.image else None)
+    except (ConfigError, CheckpointError, ChatTemplateError, DataError, ValueError, RuntimeError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """The Qwen3-VL debug model on the shapes pictures (train_configs/vlm_debug.toml) in the trainer: every layout trains
 the single process's 6 fp32 steps, images and all (the tower replicated under TP, on the first pipeline stage, its
-features computed before the context-parallel split). The runs (names prefixed "vlm_") are part of the suite-wide
+features computed before the context-parallel split), and Qwen3.5's MoE flavor under expert parallelism. The runs (names prefixed "vlm_") are part of the suite-wide
 matrix (integration/conftest.py)."""
 
 import pytest
@@ -8,6 +8,7 @@ import pytest
 from tests.integration.parity import Matrix, assert_same_steps, rows_of, runs_under
 
 CONFIG = "train_configs/vlm_debug.toml"
+MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
@@ -17,6 +18,9 @@ LAYOUTS = {
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
     "compile": (1, ["--training.local_batch_size", "8", "--compile.enable"]),
     "ac_full": (1, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
+    # Qwen3.5's MoE flavor (the hybrid Gated DeltaNet backbone): its experts split over 2 ranks.
+    "moe_single": (1, ["--training.local_batch_size", "8", *MOE]),
+    "moe_ep2": (2, ["--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2", *MOE]),
 }
 COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "112", "--training.steps", "6",
           "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--validation.no_enable",
@@ -34,9 +38,9 @@ def runs(suite_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "single"])
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if not n.endswith("single")])
 def test_layout_matches_the_single_process(runs, layout):
-    reference = rows_of(runs, "single")
+    reference = rows_of(runs, "moe_single" if layout.startswith("moe_") else "single")
     assert [r["step"] for r in reference] == list(range(1, 7)) and reference[-1]["loss"] < reference[0]["loss"]
     assert_same_steps(rows_of(runs, layout), reference)
 

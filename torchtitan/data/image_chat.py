@@ -118,6 +118,16 @@ class ImageChat:
                                     self.patching.merge_size).numpy()
         return EncodedImageChat(inputs, labels, images, positions)
 
+    def prompt(self, tokenizer, template, messages: list[dict], sources: list, seq_len: int
+               ) -> tuple[list[int], Images]:
+        """A generation prompt (rendered up to where the assistant answers) showing ``sources``: its token ids,
+        each <|image_pad|> expanded, and its images, as the generation engine takes them."""
+        from torchtitan.data.chat_template import chat_ids
+
+        ids = np.asarray(chat_ids(tokenizer, template, messages, add_generation_prompt=True), dtype=np.int64)
+        encoded = self.encode(ids, np.zeros_like(ids), sources, "prompt", None, seq_len)
+        return encoded.inputs.tolist(), encoded.images
+
     def too_many_image_tokens(self, encoded: EncodedImageChat) -> bool:
         """Over the cap (packing holds the rest to seq_len)."""
         tokens = int(np.count_nonzero(encoded.inputs == self.image_token_id))
