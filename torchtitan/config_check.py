@@ -214,6 +214,9 @@ def _check_model(c: _Checker) -> None:
                   "has a TrainSpec without parallelize_fn, which only a model on the shared decoder (a "
                   "models.shared.decoder.Decoder) may leave out")
         c.report("", masking_problems(c.cfg.model, c.cfg.training, spec.model_cls, c.cfg.validation))
+        from torchtitan.models.shared.vision_language import config_problems as vision_problems
+
+        c.report("", vision_problems(c.cfg.model, c.cfg.training, args, spec.build_tokenizer_fn))
     adapter = spec.state_dict_adapter
     # MoE options changed from their defaults (a saved, resolved config lists every field at its value).
     defaults = {f"moe.{f.name}": f.default for f in dataclasses.fields(c.cfg.moe)}

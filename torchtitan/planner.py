@@ -35,6 +35,7 @@ from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.gated_delta_rule import CHUNK
 from torchtitan.models.shared.gated_deltanet import GatedDeltaNet
 from torchtitan.models.shared.nf4 import nf4_shardable, nf4_weights
+from torchtitan.protocols.model import token_flop_params
 from torchtitan.protocols.train_spec import build_model_args, flavor_args, get_train_spec
 
 GIB = 2**30
@@ -90,8 +91,8 @@ class ModelShape:
     routed_params: int = 0
     mtp_blocks: int = 0  # of n_layers, the multi-token prediction blocks (on the last pipeline stage)
     tied: bool = False  # the output head is the embedding table
-    # Every parameter tensor as (elements, where, muon, trainable): where is "block", "embedding" or "head" (the
-    # final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
+    # Every parameter tensor as (elements, where, muon, trainable): where is "block", "embedding", "vision" or
+    # "head" (the final norm and output); muon says whether optimizer.name = "Muon" gives it to Muon
     # (components/optimizers/muon.split_parameters); trainable is False for a frozen (LoRA base) weight.
     tensors: tuple[tuple[int, str, bool, bool], ...] = ()
     # The shapes of the block weights a QLoRA base stores in NF4 (lora.base_dtype): FSDP shards those whose rows
@@ -101,6 +102,13 @@ class ModelShape:
     # from them (generation/caches.py); empty, with the reason in no_generation_cache, for a mixer without a cache.
     mixers: tuple[nn.Module, ...] = ()
     no_generation_cache: str | None = None
+    # A vision tower (models/shared/vision.py), on the first pipeline stage, replicated under TP: its parameters,
+    # and per patch and block the bytes per element size it saves for backward; patches per image token.
+    vision_params: int = 0
+    vision_saved_per_patch: int = 0
+    vision_dim: int = 0
+    vision_depth: int = 0
+    vision_merge_unit: int = 1
 
     @property
     def nf4_params(self) -> int:
@@ -179,9 +187,15 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
     per_block = sum(p.numel() for b in blocks for p in b.parameters()) // len(blocks)
     linear = sum(m.weight.numel() for b in blocks for m in b.modules() if isinstance(m, nn.Linear)) // len(blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    tower = getattr(model, "visual", None)
+    in_tower = {id(p) for p in tower.parameters()} if tower is not None else set()
+    embedding -= sum(n for i, n in embeddings.items() if i in in_tower)  # the tower's position table
+    vision_params = sum(p.numel() for p in tower.parameters()) if tower is not None else 0
     muon = {id(p) for _, p in split_parameters([model])[0]}
-    tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "embedding" if id(p) in embeddings else "head",
-                     id(p) in muon, p.requires_grad) for p in model.parameters())
+    tensors = tuple((p.numel(), "block" if id(p) in in_blocks else "vision" if id(p) in in_tower
+                     else "embedding" if id(p) in embeddings else "head", id(p) in muon, p.requires_grad)
+                    for p in model.parameters())
+    vision = args.vision if tower is not None else None
     nf4_shapes = tuple(tuple(p.shape) for p in nf4_weights(model))
     try:
         token_mixers, no_cache = tuple(mixer for _, mixer in mixers(model)), None
@@ -193,7 +207,7 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         vocab=args.vocab_size, params=params, block_params=per_block, block_linear_params=linear,
         embedding_params=embedding,
         output_params=0 if args.tie_embeddings else args.vocab_size * args.dim,
-        flops_per_token=args.flops_per_token(params - embedding, cfg.training.seq_len),
+        flops_per_token=args.flops_per_token(token_flop_params(model), cfg.training.seq_len),
         attention_flops_per_token=args.attention_flops_per_token(cfg.training.seq_len),
         mixer_flops_per_token=args.mixer_flops_per_token(),
         linear_layers=tuple((m.in_proj_b.out_features, m.key_head_dim, m.value_head_dim, m.conv.weight.shape[0])
@@ -203,6 +217,12 @@ def model_shape(cfg: JobConfig, vocab_size: int | None = None) -> ModelShape:
         routed_params=moe.routed_params(args.dim) if moe else 0,
         mtp_blocks=len(blocks) - args.n_layers, tied=args.tie_embeddings, tensors=tensors, nf4_shapes=nf4_shapes,
         mixers=token_mixers, no_generation_cache=no_cache,
+        vision_params=vision_params,
+        # Per patch a vision block keeps its two norms' inputs, q, k, v, the attention output, and the MLP's
+        # hidden activations before and after the GELU; a checkpointed one its input only.
+        vision_saved_per_patch=6 * vision.dim + 2 * vision.ffn_dim if vision else 0,
+        vision_dim=vision.dim if vision else 0,
+        vision_depth=vision.depth if vision else 0, vision_merge_unit=vision.merge_unit if vision else 1,
     )
 
 
@@ -351,24 +371,27 @@ def pipeline_ranks(m: ModelShape, cfg: JobConfig, layout: ParallelDims) -> list[
     return ranks
 
 
-def _rank_tensor_bytes(m: ModelShape, rank: PipelineRank, shards: int, embedding_copies: int, bytes_of) -> float:
+def _rank_tensor_bytes(m: ModelShape, rank: PipelineRank, shards: int, embedding_copies: int, bytes_of,
+                       tp: int = 1) -> float:
     """Summed over the trainable tensors on a pipeline rank, split ``shards`` ways (TP x FSDP) like its parameters,
     with ``embedding_copies`` of the embedding: ``bytes_of(local elements, muon)``. Frozen tensors (a LoRA
     base) have no gradient and no optimizer state."""
     total = 0.0
     for elements, where, muon, trainable in m.tensors:
         copies = (rank.blocks / m.n_layers if where == "block" else embedding_copies if where == "embedding"
-                  else int(rank.last))
+                  else int(rank.first) if where == "vision" else int(rank.last))
         if copies and trainable:
-            total += copies * bytes_of(elements / shards, muon)
+            # The tower is replicated under TP: only FSDP splits it.
+            total += copies * bytes_of(elements / shards * (tp if where == "vision" else 1), muon)
     return total
 
 
 def optimizer_state_bytes(m: ModelShape, cfg: JobConfig, rank: PipelineRank, shards: int,
-                          embedding_copies: int) -> float:
+                          embedding_copies: int, tp: int = 1) -> float:
     """The optimizer state on a pipeline rank (see _rank_tensor_bytes)."""
     return _rank_tensor_bytes(m, rank, shards, embedding_copies,
-                              lambda elements, muon: state_bytes(cfg.optimizer, cfg.training.dtype, elements, muon))
+                              lambda elements, muon: state_bytes(cfg.optimizer, cfg.training.dtype, elements, muon),
+                              tp)
 
 
 def predict_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: bool) -> Memory:
@@ -385,20 +408,22 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     autocast = uses_autocast(cfg.training, fsdp)
     # Parameters on this device: blocks split by TP (norm weights are small and counted as split
     # too); the first stage holds the embedding, the last the final norm and output. FSDP shards all.
-    outside_blocks = m.params - m.n_layers * m.block_params  # embedding, final norm, output
+    outside_blocks = m.params - m.n_layers * m.block_params - m.vision_params  # embedding, final norm, output
     head_params = (m.embedding_params if rank.first else 0) + (outside_blocks - m.embedding_params if rank.last else 0)
     shared_embedding = rank.last and layout.pp > 1 and (m.mtp_blocks or m.tied)
     if shared_embedding:
         head_params += m.embedding_params  # the last stage's copy of the embedding (SharedEmbedding)
-    params_local = (rank.blocks * m.block_params + head_params) / tp / layout.fsdp_degree
+    params_local = ((rank.blocks * m.block_params + head_params) / tp
+                    + (m.vision_params if rank.first else 0)) / layout.fsdp_degree
     # An NF4 base takes NF4_BYTES per weight instead of s, FSDP sharding only the weights that split into whole
     # scale groups (the others stay whole on every rank).
     nf4_local = rank.blocks / m.n_layers * m.nf4_params
     nf4_bytes = rank.blocks / m.n_layers * m.nf4_bytes(layout.fsdp_degree if fsdp else 1)
     params = params_local * s - nf4_local / tp / layout.fsdp_degree * s + nf4_bytes
     embedding_copies = int(rank.first) + int(shared_embedding)
-    grads = _rank_tensor_bytes(m, rank, tp * layout.fsdp_degree, embedding_copies, lambda elements, _: s * elements)
-    optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies)
+    grads = _rank_tensor_bytes(m, rank, tp * layout.fsdp_degree, embedding_copies, lambda elements, _: s * elements,
+                               tp)
+    optimizer = optimizer_state_bytes(m, cfg, rank, tp * layout.fsdp_degree, embedding_copies, tp)
 
     # One micro-batch: the whole local batch, or under PP one pipeline micro-batch.
     sequences = t.local_batch_size if layout.pp == 1 else cfg.parallelism.pipeline_parallel_microbatch_size
@@ -424,6 +449,14 @@ def rank_memory(m: ModelShape, cfg: JobConfig, layout: ParallelDims, on_cpu: boo
     else:
         kept = residual
     stored = checkpointed * kept + (rank.saved_blocks - checkpointed) * (full_layer + weight_copies)
+    if rank.first and m.vision_depth and t.dataset_format == "chat":
+        # The tower's blocks on the micro-batch's images, whole on every TP and CP rank: at most every token an
+        # image token (or training.chat.max_image_tokens a sequence), merge_unit patches each.
+        patches = sequences * (t.chat.max_image_tokens or t.seq_len) * m.vision_merge_unit
+        every = 0 if ac.mode == "none" else 1 if ac.mode == "full" or ac.selective_ac_option == "op" else int(
+            ac.selective_ac_option)
+        kept = math.ceil(m.vision_depth / every) if every else 0  # the tower's blocks checkpoint like the decoder's
+        stored += c * patches * (kept * m.vision_dim + (m.vision_depth - kept) * m.vision_saved_per_patch)
 
     # The model's head (last stage only): the final norm and the output layer's input, then the
     # loss's fp32 log-probabilities (kept for backward); while the loss runs forward and its backward

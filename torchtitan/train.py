@@ -48,7 +48,7 @@ from torchtitan.models.shared.chunked_cross_entropy import use_chunked_loss
 from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.document_masking import DocumentMasking
 from torchtitan.models.shared.vision_language import image_chat
-from torchtitan.protocols.model import count_params
+from torchtitan.protocols.model import count_params, token_flop_params
 from torchtitan.protocols.model_converter import ModelConverters
 from torchtitan.protocols.train_spec import build_model_args, get_train_spec
 from torchtitan.remote import is_url
@@ -93,7 +93,7 @@ class Trainer:
         if cfg.model.print_after_conversion:
             logger.info(f"model after conversion:\n{model}")
         num_params = count_params(model)
-        self.flops_per_token = self.model_args.flops_per_token(count_params(model, exclude_embedding=True),
+        self.flops_per_token = self.model_args.flops_per_token(token_flop_params(model),
                                                                training.seq_len)
         logger.info(f"model {cfg.model.name}/{cfg.model.flavor}: {num_params:,} parameters, "
                     f"{self.flops_per_token / 1e9:.3f} GFLOPs per token; {self.parallel_dims}")

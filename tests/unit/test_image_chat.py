@@ -239,3 +239,15 @@ def test_the_vision_tokenizer_is_the_debug_one_with_four_tokens_appended_and_ren
     vision = build_tokenizer("assets/tokenizer_vision")
     assert chat_ids(vision, ChatTemplate(vision.chat_template), messages) == list(theirs)
     assert theirs.count(IMAGE_PAD) == 1
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--model.positions", "global"], ["model.positions", "M-RoPE positions per conversation"]),
+    (["--model.hf_assets_path", "assets/tokenizer"], ["model.hf_assets_path", "not as the model's image token 2051"]),
+    (["--model.name", "llama3"], ["training.dataset", "holds image conversations", "'llama3' cannot read"]),
+])
+def test_a_config_that_cannot_place_the_images_is_refused_before_training(tmp_path, flags, needles):
+    argv = ["--job.config_file", "train_configs/vlm_debug.toml", "--training.steps", "1",
+            f"--job.dump_folder={tmp_path / 'dump'}", *flags]
+    assert_one_line_error(train.main, argv, *needles)
+    assert not (tmp_path / "dump").exists()

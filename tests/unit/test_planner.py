@@ -232,3 +232,28 @@ def result_cfg(cfg, *overrides):
     again, _ = load_config(["--job.config_file", cfg.job.config_file, "--training.mixed_precision_param", "bfloat16",
                             *overrides])
     return again
+
+
+def test_a_vision_tower_is_counted_on_the_first_stage_whole_under_tp_and_out_of_the_flops_per_token():
+    cfg, _ = load_config(["--job.config_file", "train_configs/vlm_debug.toml", "--training.mixed_precision_param",
+                          "float32", "--activation_checkpoint.mode", "none"])
+    model, _ = build_model(cfg)
+    tower = sum(p.numel() for p in model.visual.parameters())
+    m = model_shape(cfg)
+    assert m.params == sum(p.numel() for p in model.parameters()) and m.vision_params == tower
+    # The decoder's FLOPs: 6 x its parameters without the embeddings, plus attention.
+    decoder = m.params - tower - m.embedding_params - m.output_params
+    assert m.flops_per_token == pytest.approx(6 * (decoder + m.output_params) + m.attention_flops_per_token)
+    single = predict_memory(m, cfg, resolve_layout(cfg, 1), on_cpu=False)
+    tp_cfg, _ = load_config(["--job.config_file", "train_configs/vlm_debug.toml", "--training.mixed_precision_param",
+                             "float32", "--activation_checkpoint.mode", "none",
+                             "--parallelism.tensor_parallel_degree", "2"])
+    split = predict_memory(m, tp_cfg, resolve_layout(tp_cfg, 2), on_cpu=False)
+    assert split.params == pytest.approx((m.params - tower) * 4 / 2 + tower * 4)  # the tower is replicated
+    # Its activations: up to seq_len image tokens a sequence, 4 patches each, through its 2 blocks.
+    no_images, _ = load_config(["--job.config_file", "train_configs/vlm_debug.toml", "--training.dataset_format",
+                                "text", "--training.dataset", "pydocs", "--training.mixed_precision_param",
+                                "float32", "--activation_checkpoint.mode", "none"])
+    patches = 8 * 256 * 4
+    extra = single.activations - predict_memory(m, no_images, resolve_layout(no_images, 1), on_cpu=False).activations
+    assert extra == pytest.approx(4 * patches * 2 * (6 * 128 + 2 * 384))

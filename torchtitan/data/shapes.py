@@ -37,6 +37,8 @@ QUESTIONS = {"colour": "What colour are the shapes?", "shape": "What shape are t
              "caption": "Describe the picture."}
 OPTIONS = {"colour": tuple(COLOURS), "shape": SHAPES, "count": tuple(map(str, COUNTS)), "position": POSITIONS}
 BACKGROUND = (128, 128, 128)
+# The registered datasets of image conversations (data/sources.py registers them).
+IMAGE_DATASETS = ("shapes", "shapes_blank")
 # Samples per split of the registered datasets "shapes" and "shapes_blank" (drawn when read).
 SPLITS = {"train": 20_000, "validation": 1_000}
 

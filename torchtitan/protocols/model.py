@@ -54,6 +54,15 @@ class TrainableModel(Protocol):
         """Initialise every parameter and buffer, identically for any parallel layout."""
 
 
+def token_flop_params(model: nn.Module) -> int:
+    """The parameters a token's training FLOPs count: all but embedding tables and a vision tower (``visual``),
+    which runs per image patch, not per token."""
+    tower = getattr(model, "visual", None)
+    in_tower = sum(p.numel() for p in tower.parameters()) if tower is not None else 0
+    tower_tables = sum(m.weight.numel() for m in tower.modules() if isinstance(m, nn.Embedding)) if tower else 0
+    return count_params(model, exclude_embedding=True) - in_tower + tower_tables
+
+
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     """Parameter count (global, not per shard); embedding tables are nn.Embedding weights."""
     total = sum(p.numel() for p in model.parameters())

@@ -30,7 +30,9 @@ from torch import nn
 
 from torchtitan.data.config import Chat
 from torchtitan.data.image_chat import ImageChat
+from torchtitan.config.job_config import Model, Training
 from torchtitan.data.images import ImagePatching
+from torchtitan.data.shapes import IMAGE_DATASETS
 from torchtitan.models.shared.attention import DocumentMask
 from torchtitan.models.shared.rope import mrope_streams
 from torchtitan.models.shared.vision import VisionTower
@@ -48,6 +50,31 @@ def row_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor
                          f"{tuple(pixel_values.shape)} holds {pixel_values.shape[1]} per row")
     real = torch.arange(pixel_values.shape[1], device=pixel_values.device) < per_row.to(pixel_values.device)[:, None]
     return pixel_values[real], grids[sizes > 0], per_row
+
+
+def config_problems(model: Model, training: Training, args, build_tokenizer) -> list[tuple[str, str]]:
+    """(full key, reason) when the data shows images the model cannot read, or a vision-language model could not
+    place them: its positions must be M-RoPE's per conversation, and its tokenizer must write <|image_pad|> as the
+    model's image token."""
+    vision = getattr(args, "vision", None)
+    if vision is None:
+        if training.dataset_format == "chat" and training.dataset_path is None and training.dataset in IMAGE_DATASETS:
+            return [("training.dataset", "holds image conversations, which model.name "
+                                         f"{model.name!r} cannot read; use a vision-language model (qwen3_vl, "
+                                         "qwen3_5)")]
+        return []
+    if training.dataset_format != "chat":
+        return []
+    if model.positions == "global":
+        return [("model.positions", "cannot be 'global' for a vision-language model on chat data: it needs M-RoPE "
+                                    "positions per conversation (an image's tokens sit on a 2-D grid); valid: "
+                                    "'per_document', 'auto'")]
+    ids = build_tokenizer(model.hf_assets_path).encode_chat("<|image_pad|>")[0]
+    if ids != [args.image_token_id]:
+        return [("model.hf_assets_path", f"is a tokenizer that writes <|image_pad|> as {ids}, not as the model's "
+                                         f"image token {args.image_token_id}: use the tokenizer of the "
+                                         "model (the debug flavors': assets/tokenizer_vision)")]
+    return []
 
 
 def image_chat(args, chat: Chat) -> ImageChat | None:
