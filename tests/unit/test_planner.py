@@ -257,3 +257,15 @@ def test_a_vision_tower_is_counted_on_the_first_stage_whole_under_tp_and_out_of_
     patches = 8 * 256 * 4
     extra = single.activations - predict_memory(m, no_images, resolve_layout(no_images, 1), on_cpu=False).activations
     assert extra == pytest.approx(4 * patches * 2 * (6 * 128 + 2 * 384))
+
+
+@pytest.mark.parametrize("family,flavor,billions", [("qwen3_vl", "8B", 8.77), ("qwen3_5", "9B", 9.41),
+                                                    ("qwen3_5", "35B-A3B", 35.1)])
+def test_the_published_vision_language_flavors_plan(family, flavor, billions):
+    cfg, _ = load_config(["--job.config_file", "train_configs/vlm_debug.toml", "--model.name", family,
+                          "--model.flavor", flavor, "--training.seq_len", "4096", "--training.local_batch_size", "1",
+                          "--training.mixed_precision_param", "bfloat16", "--parallelism.tensor_parallel_degree", "2"])
+    result = plan(cfg, "H100", world_size=8)
+    m = model_shape(cfg)
+    assert m.params / 1e9 == pytest.approx(billions, abs=0.01) and 0.4e9 < m.vision_params < 0.7e9
+    assert result.fits and result.memory.params > 0

@@ -1,5 +1,6 @@
 """The generation engine with images: cached greedy generation of prompts that show pictures (batched, left-padded,
-an image cut by a prefill chunk) equals a plain loop that runs the whole sequence with its images every step."""
+an image cut by a prefill chunk; Qwen3-VL and the hybrid Qwen3.5) equals a plain loop that runs the whole sequence
+with its images every step."""
 
 import pytest
 import torch
@@ -9,15 +10,16 @@ from torchtitan.data.shapes import shapes_sample
 from torchtitan.generation import GenerationEngine
 from torchtitan.generation.sampling import SamplingConfig
 from torchtitan.models.qwen3_vl import Qwen3VL
-from torchtitan.models.qwen3_vl.args import qwen3_vl_flavors
+from torchtitan.protocols.train_spec import get_train_spec
 
 PATCHING = ImagePatching(min_pixels=0)
 
 
-def _model(seed: int) -> Qwen3VL:
-    args = qwen3_vl_flavors["debugmodel"].finalize(2052, 128)
+def _model(seed: int, family: str = "qwen3_vl") -> Qwen3VL:
+    spec = get_train_spec(family)
+    args = spec.flavors["debugmodel"].finalize(2052, 128)
     torch.manual_seed(seed)
-    model = Qwen3VL(args)
+    model = spec.model_cls(args)
     model.init_weights(seed)
     with torch.no_grad():  # away from the initial values, so that the images matter to the tokens chosen
         for param in model.parameters():
@@ -49,9 +51,9 @@ def _no_cache(model, prompt: list[int], images, steps: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("prefill_chunk", [256, 7])
-def test_cached_greedy_generation_with_images_equals_the_no_cache_path(prefill_chunk):
-    model = _model(seed=int(torch.randint(0, 10_000, ())))
+@pytest.mark.parametrize("family,prefill_chunk", [("qwen3_vl", 256), ("qwen3_vl", 7), ("qwen3_5", 7)])
+def test_cached_greedy_generation_with_images_equals_the_no_cache_path(family, prefill_chunk):
+    model = _model(seed=int(torch.randint(0, 10_000, ())), family=family)
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
     words = lambda n: torch.randint(3, 2000, (n,), generator=g).tolist()  # noqa: E731
     prompts = [_prompt([words(3), words(5), words(2)], [shapes_sample(1).image, shapes_sample(2, size=96).image]),
