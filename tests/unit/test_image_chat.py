@@ -135,7 +135,9 @@ def test_a_conversation_cut_to_seq_len_is_cut_before_the_image_it_cannot_hold(to
     # The first image's 4 tokens sit at 10-13 between <|vision_start|> (9) and <|vision_end|> (14); the second's 6
     # at 18-23.
     for seq_len, kept in ((12, 0), (16, 4), (22, 4), (30, 10)):
-        batch = next(iter(_loader(tokenizer, path, seq_len=seq_len, local_batch_size=1, train_on="all")))
+        loader = _loader(tokenizer, path, seq_len=seq_len, local_batch_size=1, train_on="all")
+        batch = next(iter(loader))
+        assert loader.counts["conversations_truncated"] == 1  # the conversation is 40 tokens
         tokens = batch.input_ids[0][batch.document_ids[0] == 0]
         assert int((tokens == IMAGE_PAD).sum()) == kept
         assert int(batch.image_grid_thw[0].prod(-1).sum()) // 4 == kept  # the images kept are whole

@@ -198,6 +198,7 @@ class PackedChatDataset(IterableDataset):
                             pending, placed_in_pass, trained_in_pass = None, 0, 0
                             continue
                     epoch, index, inputs, targets, encoded = pending
+                    rendered = len(inputs)  # before any cut
                     if encoded is not None and len(inputs) > self.seq_len and self.overlong == "truncate":
                         encoded = encoded.cut(self.seq_len, self.images.image_token_id)  # never inside an image
                         inputs, targets = encoded.inputs, encoded.labels
@@ -205,13 +206,13 @@ class PackedChatDataset(IterableDataset):
                     if (len(inputs) == 0 or (len(inputs) > self.seq_len and self.overlong == "drop")
                             or too_many_images):
                         # An empty rendering trains nothing; a conversation cut to nothing does count.
-                        counts["conversations_dropped"] += len(inputs) > 0 or len(pending[2]) > 0
+                        counts["conversations_dropped"] += rendered > 0
                         pending, after = None, StreamPosition(epoch, index + 1)
                         continue
                     length = min(len(inputs), self.seq_len)
                     if used + length > self.seq_len:
                         break
-                    counts["conversations_truncated"] += len(inputs) > self.seq_len
+                    counts["conversations_truncated"] += rendered > self.seq_len
                     tokens[row, used:used + length] = inputs[:length]
                     labels[row, used:used + length] = targets[:length]
                     ids[row, used:used + length] = document
