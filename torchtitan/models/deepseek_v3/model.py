@@ -37,6 +37,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = args.kv_lora_rank
         self.softmax_scale = args.softmax_scale
         self.rope_convention = args.rope_convention
+        self.rotates = args.mla_rope
         qk_dim = args.head_dim
         if args.q_lora_rank > 0:
             self.wq = None
@@ -63,9 +64,12 @@ class MultiHeadLatentAttention(nn.Module):
         # -1 rather than n_heads: under tensor parallelism each rank holds a subset of the heads.
         q = q.view(bsz, seqlen, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, rope, self.rope_convention, positions)], dim=-1)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope, self.rope_convention, positions)
+        k_rope = k_rope.unsqueeze(2)
+        if self.rotates:
+            q_rope = apply_rope(q_rope, rope, self.rope_convention, positions)
+            k_rope = apply_rope(k_rope, rope, self.rope_convention, positions)
+        q = torch.cat([q_nope, q_rope], dim=-1)
         latent, k_rope = self.latent_fn(latent, k_rope)
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, latent.shape[1], -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -162,15 +162,27 @@ class GatedDeltaNet(nn.Module):
         self.values_per_key = n_value_heads // n_key_heads
         group = 2 * key_head_dim + self.values_per_key * value_head_dim  # one key head's q, k and values
         self.in_proj_qkv = nn.Linear(dim, n_key_heads * group, bias=False)
-        self.in_proj_z = nn.Linear(dim, n_value_heads * value_head_dim, bias=False)
         self.in_proj_b = nn.Linear(dim, n_value_heads, bias=False)
-        self.in_proj_a = nn.Linear(dim, n_value_heads, bias=False)
         self.conv = ShortConv(n_key_heads * group, conv_kernel)
-        self.decay = DecayGate(n_value_heads)
+        self._build_gates(dim, n_value_heads, value_head_dim)
         self.norm = nn.RMSNorm(value_head_dim, eps=norm_eps)
         self.wo = nn.Linear(n_value_heads * value_head_dim, dim, bias=False)
         self.conv_fn = local_conv
         self.recurrence_fn = local_recurrence
+
+    def _build_gates(self, dim: int, n_value_heads: int, value_head_dim: int) -> None:
+        """The decay's and the output gate's projections (a variant, e.g. Kimi Delta Attention, has its own)."""
+        self.in_proj_z = nn.Linear(dim, n_value_heads * value_head_dim, bias=False)
+        self.in_proj_a = nn.Linear(dim, n_value_heads, bias=False)
+        self.decay = DecayGate(n_value_heads)
+
+    def decay_of(self, x: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+        """g, the log of the state's decay per token: (B, L, value heads)."""
+        return self.decay(self.in_proj_a(x).to(work))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """What the normed output is multiplied by: (B, L, value heads, value head size)."""
+        return F.silu(self.in_proj_z(x).view(*x.shape[:2], -1, self.value_head_dim))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, documents: DocumentMask | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,10 +200,8 @@ class GatedDeltaNet(nn.Module):
         q = q * dk**-0.5
         q, k = (t.repeat_interleave(self.values_per_key, dim=2) for t in (q, k))
         beta = torch.sigmoid(self.in_proj_b(x).to(work))
-        g = self.decay(self.in_proj_a(x).to(work))
-        o, _ = self.recurrence_fn(q, k, v, g, beta, documents)
-        z = self.in_proj_z(x).view(bsz, seqlen, -1, dv)
-        o = self.norm(o.to(x.dtype)) * F.silu(z)
+        o, _ = self.recurrence_fn(q, k, v, self.decay_of(x, work), beta, documents)
+        o = self.norm(o.to(x.dtype)) * self.output_gate(x)
         return self.wo(o.reshape(bsz, seqlen, -1))
 
 
