@@ -1,4 +1,5 @@
-"""Exact context parallelism for linear-attention layers (Gated DeltaNet), packed documents included.
+"""Exact context parallelism for linear-attention layers (Gated DeltaNet, Kimi Delta Attention), packed documents
+included.
 
 Each rank holds the head-tail shard of the sequence that context-parallel attention uses (context_parallel.py):
 global chunks r and 2*cp-1-r of 2*cp equal ones. A linear layer's output on a chunk depends on everything before
@@ -83,11 +84,12 @@ def cp_conv(x: torch.Tensor, weight: torch.Tensor, documents: DocumentMask | Non
 
 def cp_recurrence(q, k, v, g, beta, documents: DocumentMask | None, *, group: dist.ProcessGroup):
     """The gated delta rule on this rank's head-tail shard, with the states entering its chunks composed from
-    every chunk's transition (see the module docstring). Returns (outputs, None)."""
+    every chunk's transition (see the module docstring); g per head or per key channel (Kimi Delta Attention).
+    Returns (outputs, None)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[1] // 2
     full_resets = None if documents is None else document_resets(full_document_ids(documents, group))
-    kernel = recurrence_kernel(q.device)
+    kernel = recurrence_kernel(q.device, per_channel=g.dim() == 4)
     spans, maps = [], []
     for part, chunk in enumerate(_my_chunks(rank, cp)):
         local = slice(part * c, (part + 1) * c)

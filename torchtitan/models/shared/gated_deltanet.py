@@ -17,6 +17,7 @@ not reach into the previous document. The conv and the recurrence are attributes
 that context parallelism replaces with versions that take the history from the other ranks.
 """
 
+import importlib
 import math
 from functools import partial
 
@@ -67,27 +68,29 @@ def local_conv(x: torch.Tensor, weight: torch.Tensor, documents: DocumentMask | 
     return causal_short_conv(x, weight, None if documents is None else documents.ids)
 
 
-_fla_chunk = None
+_fla_kernels: dict[str, object] = {}
 _logged_kernel: set[str] = set()
 
 
-def _fla_kernel():
-    """flash-linear-attention's chunked Triton kernel, if installed (the ``fla`` extra), else None."""
-    global _fla_chunk
-    if _fla_chunk is None:
+def _fla_kernel(per_channel: bool = False):
+    """flash-linear-attention's chunked Triton kernel, if installed (the ``fla`` extra), else None:
+    chunk_gated_delta_rule for one decay per head, chunk_kda (Kimi Delta Attention) for one per key channel. Both
+    take the same call (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)."""
+    module, name = ("fla.ops.kda", "chunk_kda") if per_channel else ("fla.ops.gated_delta_rule",
+                                                                     "chunk_gated_delta_rule")
+    if name not in _fla_kernels:
         try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except ImportError:
-            _fla_chunk = False
-        else:
-            _fla_chunk = chunk_gated_delta_rule
-    return _fla_chunk or None
+            _fla_kernels[name] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):  # not installed, or a release without KDA
+            _fla_kernels[name] = None
+    return _fla_kernels[name]
 
 
 @torch.compiler.disable
 def _log_kernel_once(name: str) -> None:
     _logged_kernel.add(name)
     kernel = {"fla": "flash-linear-attention's Triton kernel (fla-core)",
+              "fla_kda": "flash-linear-attention's Triton kernel chunk_kda (fla-core), a decay per key channel",
               "torch": "the chunked PyTorch form (models/shared/gated_delta_rule.py)"}[name]
     logger.info(f"gated delta rule: {kernel}")
 
@@ -114,20 +117,22 @@ def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state=None):
     return out.view(bsz, length, *out.shape[2:]), final[last_of_row]
 
 
-def recurrence_kernel(device: torch.device):
+def recurrence_kernel(device: torch.device, per_channel: bool = False):
     """The gated delta rule's kernel for ``device`` (gated_delta_rule's signature, resets included): fla's Triton
-    kernel on CUDA where installed, else the chunked PyTorch form. Logs its choice once."""
-    fla = _fla_kernel() if device.type == "cuda" else None
-    name = "torch" if fla is None else "fla"
+    kernel on CUDA where installed (chunk_kda when ``per_channel``: g of shape (B, L, H, K)), else the chunked
+    PyTorch form. Logs its choice once."""
+    fla = _fla_kernel(per_channel) if device.type == "cuda" else None
+    name = "torch" if fla is None else "fla_kda" if per_channel else "fla"
     if name not in _logged_kernel:
         _log_kernel_once(name)
     return gated_delta_rule if fla is None else partial(_fla_gated_delta_rule, fla)
 
 
 def local_recurrence(q, k, v, g, beta, documents: DocumentMask | None):
-    """The gated delta rule over a whole (unsharded) sequence, from a zero state."""
+    """The gated delta rule over a whole (unsharded) sequence, from a zero state; g per head (B, L, H) or per key
+    channel (B, L, H, K)."""
     resets = None if documents is None else document_resets(documents.ids)
-    return recurrence_kernel(q.device)(q, k, v, g, beta, resets)
+    return recurrence_kernel(q.device, per_channel=g.dim() == 4)(q, k, v, g, beta, resets)
 
 
 class ShortConv(nn.Module):
