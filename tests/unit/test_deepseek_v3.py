@@ -65,7 +65,7 @@ def reference_mla(m: MultiHeadLatentAttention, args, x: torch.Tensor) -> torch.T
     h, nope, rope_d, vd = args.n_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
     freqs, factor, scale = reference_yarn(args)
     if args.q_lora_rank:
-        q = rms(x @ m.wq_a.weight.T, m.q_norm.weight, args.norm_eps) @ m.wq_b.weight.T
+        q = rms(x @ m.wq_a.weight.T, m.q_norm.weight, args.latent_norm_eps) @ m.wq_b.weight.T
     else:
         q = x @ m.wq.weight.T
     q = q.view(b, s, h, nope + rope_d)
@@ -73,7 +73,7 @@ def reference_mla(m: MultiHeadLatentAttention, args, x: torch.Tensor) -> torch.T
     a = x @ m.wkv_a.weight.T
     latent, k_r = a[..., :args.kv_lora_rank], a[..., args.kv_lora_rank:]
     k_r = rope_interleaved(k_r.view(b, s, 1, rope_d), freqs, factor)
-    kv = (rms(latent, m.kv_norm.weight, args.norm_eps) @ m.wkv_b.weight.T).view(b, s, h, nope + vd)
+    kv = (rms(latent, m.kv_norm.weight, args.latent_norm_eps) @ m.wkv_b.weight.T).view(b, s, h, nope + vd)
     k = torch.cat([kv[..., :nope], k_r.expand(b, s, h, rope_d)], dim=-1)
     v = kv[..., nope:]
     scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
@@ -226,6 +226,31 @@ def test_a_transformers_saved_checkpoint_imports_with_its_logits(tmp_path, flavo
     tokens = torch.randint(0, 2048, (2, 48))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_the_latent_norms_keep_transformers_epsilon_whatever_rms_norm_eps(tmp_path):
+    """transformers builds MLA's q and kv latent norms with eps 1e-6 whatever rms_norm_eps says (Moonlight and Kimi
+    use 1e-5); at its own initialisation the latents are small enough for the difference to show."""
+    from torchtitan.components.checkpointing.hf_folder import read_hf_model_state
+    from torchtitan.models.deepseek_v3 import DeepseekV3Model, DeepseekV3StateDictAdapter
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64)
+    torch.manual_seed(torch.randint(0, 1000, ()).item())
+    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert args.norm_eps == 1e-5 and args.latent_norm_eps == 1e-6
+    ours = DeepseekV3Model(args)
+    ours.init_weights(0)
+    ours.load_state_dict(read_hf_model_state(tmp_path, DeepseekV3StateDictAdapter(args),
+                                             {n: t.shape for n, t in ours.state_dict().items()}), strict=True)
+    tokens = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert (ours.eval()(tokens) - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
 def test_multi_token_prediction_blocks_go_to_hugging_face_only_when_asked_and_come_back(tmp_path):

@@ -140,7 +140,7 @@ ROOMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "torchtitan.models": (
         ("shared", "llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "qwen3_vl",
-         "qwen3_5"),
+         "qwen3_5", "kimi_linear"),
         (),
     ),
 }

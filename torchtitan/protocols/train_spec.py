@@ -50,7 +50,8 @@ class TrainSpec:
 
 BUILTIN_FAMILIES = ("torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.qwen3_moe",
                     "torchtitan.models.deepseek_v3", "torchtitan.models.qwen3_next",
-                    "torchtitan.models.gpt_oss", "torchtitan.models.qwen3_vl", "torchtitan.models.qwen3_5")
+                    "torchtitan.models.gpt_oss", "torchtitan.models.qwen3_vl", "torchtitan.models.qwen3_5",
+                    "torchtitan.models.kimi_linear")
 """The modules that register the built-in families when imported; the registry imports them on its first lookup,
 so importing a shared piece (say models.shared.moe) does not pull every family in."""
 TRAIN_SPECS: Registry[TrainSpec] = Registry("model", builtin_modules=BUILTIN_FAMILIES)

@@ -61,6 +61,8 @@ class DeepseekV3ModelArgs(DecoderArgs):
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     rope_convention: RopeConvention = "pairs"
+    latent_norm_eps: float = 1e-6
+    """Epsilon of the RMSNorms of MLA's latents (q and kv): transformers fixes it at 1e-6, whatever norm_eps."""
     mla_rope: bool = True
     """Rotate the qk_rope_head_dim channels (False: no positional encoding, Kimi Linear's MLA; they stay, shared)."""
     moe: MoEArgs | None = field(default_factory=lambda: MoEArgs(score_func="sigmoid", route_norm=True))

@@ -42,12 +42,12 @@ class MultiHeadLatentAttention(nn.Module):
         if args.q_lora_rank > 0:
             self.wq = None
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.latent_norm_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * qk_dim, bias=False)
         else:
             self.wq = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.latent_norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)

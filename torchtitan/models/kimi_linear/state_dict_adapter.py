@@ -111,6 +111,10 @@ class KimiLinearStateDictAdapter(DeepseekV3StateDictAdapter):
         config = super().extra_hf_config()
         for key in ("rope_interleave", "topk_method", "scoring_func", "num_nextn_predict_layers"):
             config.pop(key, None)
+        # KimiLinearConfig's own names for DeepSeek-V3's MoE keys (what transformers writes and reads).
+        for theirs, ours in self.hf_aliases.items():
+            if ours in config and theirs != "num_local_experts":
+                config[theirs] = config.pop(ours)
         full = [i + 1 for i in range(a.n_layers) if a.layer_type(i) == FULL]
         config.update({
             "linear_attn_config": {"head_dim": a.kda_head_dim, "num_heads": a.kda_n_heads,
