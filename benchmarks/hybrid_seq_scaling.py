@@ -1,6 +1,7 @@
 """Step time against sequence length: the hybrid Qwen3-Next debug model (3 Gated DeltaNet blocks, 1 attention
 block) against the same model with attention in every block (flavor debugmodel_attention_only: same width and
-depth), one process, one sequence per step, causal attention, in the trainer.
+depth), and the Kimi Linear debug model (3 Kimi Delta Attention blocks, 1 MLA block, the same width and depth, a
+decay per key channel), one process, one sequence per step, causal attention, in the trainer.
 
     python benchmarks/hybrid_seq_scaling.py [--seq_lens 2048,8192,32768] [--steps 4] [--compile]
         [--output benchmarks/results/hybrid_seq_scaling_cpu.md]
@@ -23,12 +24,15 @@ sys.path.insert(0, str(REPO))
 
 from torchtitan.hardware import cpu_model  # noqa: E402
 
-FLAVORS = {"hybrid (3 linear : 1 attention)": "debugmodel", "attention only": "debugmodel_attention_only"}
+# Row label -> (config, flavor).
+FLAVORS = {"hybrid (3 linear : 1 attention)": ("train_configs/qwen3_next_debug.toml", "debugmodel"),
+           "attention only": ("train_configs/qwen3_next_debug.toml", "debugmodel_attention_only"),
+           "Kimi Linear (3 KDA : 1 MLA)": ("train_configs/kimi_linear_debug.toml", "debugmodel")}
 
 
-def step_time(flavor: str, seq_len: int, steps: int, compile_model: bool) -> float:
+def step_time(config: str, flavor: str, seq_len: int, steps: int, compile_model: bool) -> float:
     with tempfile.TemporaryDirectory() as dump:
-        flags = ["--job.config_file", "train_configs/qwen3_next_debug.toml", "--model.flavor", flavor,
+        flags = ["--job.config_file", config, "--model.flavor", flavor,
                  "--model.attention_mask", "causal", "--training.seq_len", str(seq_len),
                  "--training.local_batch_size", "1", "--training.steps", str(steps), "--metrics.log_freq", "1",
                  f"--job.dump_folder={dump}", *(["--compile.enable"] if compile_model else [])]
@@ -48,10 +52,10 @@ def main() -> None:
     parser.add_argument("--output", default="benchmarks/results/hybrid_seq_scaling_cpu.md")
     args = parser.parse_args()
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    times = {label: [step_time(flavor, seq, args.steps, args.compile) for seq in seq_lens]
-             for label, flavor in FLAVORS.items()}
+    times = {label: [step_time(config, flavor, seq, args.steps, args.compile) for seq in seq_lens]
+             for label, (config, flavor) in FLAVORS.items()}
     header = "| model | " + " | ".join(f"seq {s:,}: step s (tok/s)" for s in seq_lens) + " |"
-    lines = [f"# Step time vs sequence length, qwen3_next debug widths ({cpu_model()}, one process, "
+    lines = [f"# Step time vs sequence length, the hybrid debug models ({cpu_model()}, one process, "
              f"{'compiled' if args.compile else 'eager'})", "", header, "|---" * (len(seq_lens) + 1) + "|"]
     for label, row in times.items():
         cells = [f"{t:.3f} ({s / t:,.0f})" for t, s in zip(row, seq_lens)]

@@ -21,6 +21,7 @@ CONFIGS = {
     "deepseek_v3": "train_configs/deepseek_v3_debug.toml",
     "gpt_oss": "train_configs/gpt_oss_debug.toml",
     "qwen3_next": "train_configs/qwen3_next_debug.toml",
+    "kimi_linear": "train_configs/kimi_linear_debug.toml",
 }
 
 
@@ -37,7 +38,7 @@ def test_greedy_generation_is_the_no_cache_path(family):
 
 
 @pytest.mark.parametrize("family, chunk", [("gpt_oss", 7), ("gpt_oss", 48), ("qwen3_next", 48),
-                                           ("deepseek_v3", 48)])
+                                           ("deepseek_v3", 48), ("kimi_linear", 48)])
 def test_prefill_in_chunks_is_the_same(family, chunk):
     """Chunks shorter than the window and longer, across the ring's and the recurrence's boundaries."""
     model = model_of(family)

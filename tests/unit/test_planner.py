@@ -269,3 +269,13 @@ def test_the_published_vision_language_flavors_plan(family, flavor, billions):
     m = model_shape(cfg)
     assert m.params / 1e9 == pytest.approx(billions, abs=0.01) and 0.4e9 < m.vision_params < 0.7e9
     assert result.fits and result.memory.params > 0
+
+
+def test_the_kimi_linear_flavor_plans_with_its_kda_blocks():
+    cfg, _ = load_config(["--job.config_file", "train_configs/kimi_linear_debug.toml", "--model.flavor", "48B-A3B",
+                          "--training.seq_len", "4096", "--training.local_batch_size", "1",
+                          "--parallelism.expert_parallel_degree", "8"])
+    result = plan(cfg, "H100", world_size=32)
+    m = model_shape(cfg)
+    assert m.params / 1e9 == pytest.approx(49.12, abs=0.01) and m.moe_layers == 26
+    assert m.mixer_flops_per_token > 0 and result.memory.params > 0
