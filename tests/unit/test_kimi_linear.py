@@ -102,3 +102,20 @@ def test_the_published_flavor_builds_and_counts_48b_of_which_3b_active():
     print(f"\nKimi-Linear 48B-A3B: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active without embeddings")
     assert 47e9 < total < 50e9 and 2.5e9 < active < 3.5e9
     assert [i for i in range(27) if args.layer_type(i) == "full_attention"] == [3, 7, 11, 15, 19, 23, 26]
+
+
+def test_muon_takes_the_matrices_and_leaves_convs_decays_and_norms_to_adamw():
+    from torchtitan.components.optimizers.muon import split_parameters
+
+    with torch.device("meta"):
+        model = KimiLinearModel(_args())
+    muon, adamw = (dict(group) for group in split_parameters([model]))
+    kda, mla = "layers.0.attention.", "layers.1.attention."
+    for name in ("in_proj_qkv.weight", "in_proj_b.weight", "f_a_proj.weight", "f_b_proj.weight", "g_a_proj.weight",
+                 "g_b_proj.weight", "wo.weight"):
+        assert kda + name in muon, name
+    for name in ("conv.weight", "decay.A_log", "decay.dt_bias", "norm.weight"):
+        assert kda + name in adamw, name
+    assert {mla + n for n in ("wq.weight", "wkv_a.weight", "wkv_b.weight", "wo.weight")} <= set(muon)
+    assert mla + "kv_norm.weight" in adamw and "layers.2.moe.router.gate.weight" in adamw
+    assert "tok_embeddings.weight" in adamw and "output.weight" in adamw
