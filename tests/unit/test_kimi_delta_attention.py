@@ -254,3 +254,18 @@ def test_context_parallel_is_exact_with_documents_crossing_every_cut(tmp_path, w
         assert sorted(worst) == ["dbeta", "dg", "dk", "dq", "dv", "out"]
         for key, err in worst.items():
             assert err <= 1e-10, (rank, key, err, seed)
+
+
+def test_a_document_is_bitwise_independent_of_the_one_before_it():
+    """Changing every token of the first document (and the incoming state) leaves the second's outputs and the
+    final state bitwise unchanged, the second starting inside a chunk."""
+    gen = fresh_generator()
+    first = channel_inputs(1, 100, 2, 8, 4, torch.float32, gen, strong=5.0)
+    second = channel_inputs(1, 100, 2, 8, 4, torch.float32, gen, strong=5.0)
+    resets = torch.zeros(1, 100, dtype=torch.bool)
+    resets[0, 40] = True
+    out, state = gated_delta_rule(*first, resets, torch.randn(1, 2, 8, 4, generator=gen))
+    mixed = [torch.cat([b[:, :40], a[:, 40:]], dim=1) for a, b in zip(first, second)]
+    out_mixed, state_mixed = gated_delta_rule(*mixed, resets, torch.randn(1, 2, 8, 4, generator=gen))
+    assert torch.equal(out[:, 40:], out_mixed[:, 40:]) and torch.equal(state, state_mixed)
+    assert not torch.equal(out[:, :40], out_mixed[:, :40])
