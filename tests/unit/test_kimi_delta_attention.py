@@ -269,3 +269,34 @@ def test_a_document_is_bitwise_independent_of_the_one_before_it():
     out_mixed, state_mixed = gated_delta_rule(*mixed, resets, torch.randn(1, 2, 8, 4, generator=gen))
     assert torch.equal(out[:, 40:], out_mixed[:, 40:]) and torch.equal(state, state_mixed)
     assert not torch.equal(out[:, :40], out_mixed[:, :40])
+
+
+def test_on_cuda_the_kernel_is_picked_per_call_by_the_decay_shape(monkeypatch):
+    """With fla installed, every caller of recurrence_kernel (the layer, context parallelism, the generation
+    cache's prefill) gets chunk_kda for a decay per key channel and chunk_gated_delta_rule for one per head; a
+    release without chunk_kda leaves channel decays to the chunked form. fla's kernels are stood in for by the
+    chunked form through their varlen contract (no GPU needed: the choice reads only the device type)."""
+    from torchtitan.models.shared import gated_deltanet
+
+    calls = []
+
+    def fake(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return varlen_reference(*args, **kwargs)
+        return kernel
+
+    gen = fresh_generator()
+    q, k, v, g, beta = channel_inputs(2, 40, 2, 8, 4, F64, gen)
+    resets = torch.zeros(2, 40, dtype=torch.bool)
+    resets[0, 17] = True
+    for kda in (fake("chunk_kda"), None):
+        monkeypatch.setattr(gated_deltanet, "_fla_kernels", {"chunk_gated_delta_rule": fake("chunk_gated_delta_rule"),
+                                                             "chunk_kda": kda})
+        calls.clear()
+        kernel = gated_deltanet.recurrence_kernel(torch.device("cuda"))
+        for decay in (g, g[..., 0]):
+            torch.testing.assert_close(kernel(q, k, v, decay, beta, resets)[0],
+                                       gated_delta_rule(q, k, v, decay, beta, resets)[0], rtol=1e-10, atol=1e-10)
+        assert calls == (["chunk_kda", "chunk_gated_delta_rule"] if kda else ["chunk_gated_delta_rule"])
+    assert gated_deltanet.recurrence_kernel(torch.device("cpu")) is gated_delta_rule
