@@ -221,7 +221,7 @@ def _cp_worker(rank, world, port, result_file, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     worst = {}
-    for cut in (5, 70):  # chunks shorter than the conv history's use, and longer than one 64-token kernel chunk
+    for cut in (5, 70):  # CP chunks of 5 tokens, and of 70 (more than one 64-token kernel chunk)
         gen = torch.Generator().manual_seed(seed + cut)  # every rank draws the same full tensors
         seq = 2 * world * cut
         inputs = [t.requires_grad_() for t in channel_inputs(2, seq, 2, 6, 4, F64, gen, strong=3.0)]
