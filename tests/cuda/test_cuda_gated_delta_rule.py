@@ -52,7 +52,7 @@ def test_fla_chunk_kda_equals_the_chunked_form_with_channel_decays():
 
     if gated_deltanet._fla_kernel(per_channel=True) is None:
         pytest.skip("flash-linear-attention with chunk_kda (the fla extra) is not installed")
-    kernel = gated_deltanet.recurrence_kernel(torch.device("cuda"), per_channel=True)
+    kernel = gated_deltanet.recurrence_kernel(torch.device("cuda"))
     assert kernel is not gated_delta_rule
     gen = fresh_generator()
     q, k, v, g, beta = (t.cuda() for t in channel_inputs(2, 300, 4, 64, 64, torch.float32, gen))

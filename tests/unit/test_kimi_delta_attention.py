@@ -221,7 +221,7 @@ def _cp_worker(rank, world, port, result_file, seed):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     worst = {}
-    for cut in (5, 70):  # chunks shorter than the conv history's use, and longer than one 64-token kernel chunk
+    for cut in (5, 70):  # CP chunks of 5 tokens, and of 70 (more than one 64-token kernel chunk)
         gen = torch.Generator().manual_seed(seed + cut)  # every rank draws the same full tensors
         seq = 2 * world * cut
         inputs = [t.requires_grad_() for t in channel_inputs(2, seq, 2, 6, 4, F64, gen, strong=3.0)]
@@ -254,3 +254,49 @@ def test_context_parallel_is_exact_with_documents_crossing_every_cut(tmp_path, w
         assert sorted(worst) == ["dbeta", "dg", "dk", "dq", "dv", "out"]
         for key, err in worst.items():
             assert err <= 1e-10, (rank, key, err, seed)
+
+
+def test_a_document_is_bitwise_independent_of_the_one_before_it():
+    """Changing every token of the first document (and the incoming state) leaves the second's outputs and the
+    final state bitwise unchanged, the second starting inside a chunk."""
+    gen = fresh_generator()
+    first = channel_inputs(1, 100, 2, 8, 4, torch.float32, gen, strong=5.0)
+    second = channel_inputs(1, 100, 2, 8, 4, torch.float32, gen, strong=5.0)
+    resets = torch.zeros(1, 100, dtype=torch.bool)
+    resets[0, 40] = True
+    out, state = gated_delta_rule(*first, resets, torch.randn(1, 2, 8, 4, generator=gen))
+    mixed = [torch.cat([b[:, :40], a[:, 40:]], dim=1) for a, b in zip(first, second)]
+    out_mixed, state_mixed = gated_delta_rule(*mixed, resets, torch.randn(1, 2, 8, 4, generator=gen))
+    assert torch.equal(out[:, 40:], out_mixed[:, 40:]) and torch.equal(state, state_mixed)
+    assert not torch.equal(out[:, :40], out_mixed[:, :40])
+
+
+def test_on_cuda_the_kernel_is_picked_per_call_by_the_decay_shape(monkeypatch):
+    """With fla installed, every caller of recurrence_kernel (the layer, context parallelism, the generation
+    cache's prefill) gets chunk_kda for a decay per key channel and chunk_gated_delta_rule for one per head; a
+    release without chunk_kda leaves channel decays to the chunked form. fla's kernels are stood in for by the
+    chunked form through their varlen contract (no GPU needed: the choice reads only the device type)."""
+    from torchtitan.models.shared import gated_deltanet
+
+    calls = []
+
+    def fake(name):
+        def kernel(*args, **kwargs):
+            calls.append(name)
+            return varlen_reference(*args, **kwargs)
+        return kernel
+
+    gen = fresh_generator()
+    q, k, v, g, beta = channel_inputs(2, 40, 2, 8, 4, F64, gen)
+    resets = torch.zeros(2, 40, dtype=torch.bool)
+    resets[0, 17] = True
+    for kda in (fake("chunk_kda"), None):
+        monkeypatch.setattr(gated_deltanet, "_fla_kernels", {"chunk_gated_delta_rule": fake("chunk_gated_delta_rule"),
+                                                             "chunk_kda": kda})
+        calls.clear()
+        kernel = gated_deltanet.recurrence_kernel(torch.device("cuda"))
+        for decay in (g, g[..., 0]):
+            torch.testing.assert_close(kernel(q, k, v, decay, beta, resets)[0],
+                                       gated_delta_rule(q, k, v, decay, beta, resets)[0], rtol=1e-10, atol=1e-10)
+        assert calls == (["chunk_kda", "chunk_gated_delta_rule"] if kda else ["chunk_gated_delta_rule"])
+    assert gated_deltanet.recurrence_kernel(torch.device("cpu")) is gated_delta_rule

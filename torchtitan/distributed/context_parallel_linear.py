@@ -89,7 +89,7 @@ def cp_recurrence(q, k, v, g, beta, documents: DocumentMask | None, *, group: di
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[1] // 2
     full_resets = None if documents is None else document_resets(full_document_ids(documents, group))
-    kernel = recurrence_kernel(q.device, per_channel=g.dim() == 4)
+    kernel = recurrence_kernel(q.device)
     spans, maps = [], []
     for part, chunk in enumerate(_my_chunks(rank, cp)):
         local = slice(part * c, (part + 1) * c)

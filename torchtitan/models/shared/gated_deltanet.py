@@ -19,7 +19,6 @@ that context parallelism replaces with versions that take the history from the o
 
 import importlib
 import math
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -117,22 +116,36 @@ def _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state=None):
     return out.view(bsz, length, *out.shape[2:]), final[last_of_row]
 
 
-def recurrence_kernel(device: torch.device, per_channel: bool = False):
-    """The gated delta rule's kernel for ``device`` (gated_delta_rule's signature, resets included): fla's Triton
-    kernel on CUDA where installed (chunk_kda when ``per_channel``: g of shape (B, L, H, K)), else the chunked
-    PyTorch form. Logs its choice once."""
-    fla = _fla_kernel(per_channel) if device.type == "cuda" else None
+def recurrence_kernel(device: torch.device):
+    """The gated delta rule's kernel for ``device`` (gated_delta_rule's signature, resets included, g per head or
+    per key channel): on CUDA where flash-linear-attention is installed, its Triton kernels, picked per call by g's
+    shape; else the chunked PyTorch form. Logs each choice once."""
+    if device.type == "cuda" and (_fla_kernel() or _fla_kernel(per_channel=True)):
+        return _fla_by_decay
+    if "torch" not in _logged_kernel:
+        _log_kernel_once("torch")
+    return gated_delta_rule
+
+
+@torch.compiler.disable
+def _fla_by_decay(q, k, v, g, beta, resets, initial_state=None):
+    """fla's chunk_gated_delta_rule for g (B, L, H), its chunk_kda for g (B, L, H, K); the chunked PyTorch form
+    where the installed release lacks the one needed."""
+    per_channel = g.dim() == 4
+    fla = _fla_kernel(per_channel)
     name = "torch" if fla is None else "fla_kda" if per_channel else "fla"
     if name not in _logged_kernel:
         _log_kernel_once(name)
-    return gated_delta_rule if fla is None else partial(_fla_gated_delta_rule, fla)
+    if fla is None:
+        return gated_delta_rule(q, k, v, g, beta, resets, initial_state)
+    return _fla_gated_delta_rule(fla, q, k, v, g, beta, resets, initial_state)
 
 
 def local_recurrence(q, k, v, g, beta, documents: DocumentMask | None):
     """The gated delta rule over a whole (unsharded) sequence, from a zero state; g per head (B, L, H) or per key
     channel (B, L, H, K)."""
     resets = None if documents is None else document_resets(documents.ids)
-    return recurrence_kernel(q.device, per_channel=g.dim() == 4)(q, k, v, g, beta, resets)
+    return recurrence_kernel(q.device)(q, k, v, g, beta, resets)
 
 
 class ShortConv(nn.Module):
