@@ -88,17 +88,22 @@ class DeepseekV3StateDictAdapter(DecoderStateDictAdapter):
                     "original_seq_len": view["rope_parameters.original_max_position_embeddings"],
                     "beta_fast": float(view["rope_parameters.beta_fast"]),
                     "beta_slow": float(view["rope_parameters.beta_slow"])}
+        return DeepseekV3ModelArgs(**{**cls._decoder_fields(view), **cls._latent_attention_and_moe(view)},
+                                   mtp_depth=0, **rope)
+
+    @staticmethod
+    def _latent_attention_and_moe(view: dict) -> dict:
+        """The MLA sizes, the dense width and DeepSeek-V3's MoE from config.json (shared with Kimi Linear)."""
         experts = view["moe_intermediate_size"]
         moe = MoEArgs(num_experts=view["n_routed_experts"], top_k=view["num_experts_per_tok"], hidden_dim=experts,
                       score_func="sigmoid", route_norm=bool(view["norm_topk_prob"]),
                       route_scale=float(view["routed_scaling_factor"]), n_groups=view["n_group"] or 1,
                       topk_group=view["topk_group"] or 1, shared_hidden_dim=view["n_shared_experts"] * experts)
-        fields = {**cls._decoder_fields(view), "n_kv_heads": None}  # MLA: as many key/value heads as query heads
-        return DeepseekV3ModelArgs(
-            **fields, inter_dim=view["intermediate_size"], q_lora_rank=view["q_lora_rank"] or 0,
-            kv_lora_rank=view["kv_lora_rank"], qk_nope_head_dim=view["qk_nope_head_dim"],
-            qk_rope_head_dim=view["qk_rope_head_dim"], v_head_dim=view["v_head_dim"],
-            n_dense_layers=view["first_k_dense_replace"], moe=moe, mtp_depth=0, **rope)
+        # MLA: as many key/value heads as query heads.
+        return dict(n_kv_heads=None, inter_dim=view["intermediate_size"], q_lora_rank=view["q_lora_rank"] or 0,
+                    kv_lora_rank=view["kv_lora_rank"], qk_nope_head_dim=view["qk_nope_head_dim"],
+                    qk_rope_head_dim=view["qk_rope_head_dim"], v_head_dim=view["v_head_dim"],
+                    n_dense_layers=view["first_k_dense_replace"], moe=moe)
 
     def __init__(self, args: DeepseekV3ModelArgs):
         super().__init__(args)

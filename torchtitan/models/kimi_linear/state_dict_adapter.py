@@ -17,7 +17,6 @@ import torch
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 from torchtitan.models.kimi_linear.args import FULL, KimiLinearModelArgs
 from torchtitan.models.shared.hf_config import Default, derived, heads
-from torchtitan.models.shared.moe import MoEArgs
 
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -92,19 +91,10 @@ class KimiLinearStateDictAdapter(DeepseekV3StateDictAdapter):
 
     @classmethod
     def _args_from_hf_view(cls, view: dict) -> KimiLinearModelArgs:
-        experts = view["moe_intermediate_size"]
-        moe = MoEArgs(num_experts=view["n_routed_experts"], top_k=view["num_experts_per_tok"], hidden_dim=experts,
-                      score_func="sigmoid", route_norm=bool(view["norm_topk_prob"]),
-                      route_scale=float(view["routed_scaling_factor"]), n_groups=view["n_group"] or 1,
-                      topk_group=view["topk_group"] or 1, shared_hidden_dim=view["n_shared_experts"] * experts)
-        fields = {**cls._decoder_fields({**view, "rope_theta": 10000.0}), "n_kv_heads": None}
+        fields = {**cls._decoder_fields({**view, "rope_theta": 10000.0}), **cls._latent_attention_and_moe(view)}
         return KimiLinearModelArgs(
-            **fields, inter_dim=view["intermediate_size"], q_lora_rank=view["q_lora_rank"] or 0,
-            kv_lora_rank=view["kv_lora_rank"], qk_nope_head_dim=view["qk_nope_head_dim"],
-            qk_rope_head_dim=view["qk_rope_head_dim"], v_head_dim=view["v_head_dim"],
-            n_dense_layers=view["first_k_dense_replace"], moe=moe, kda_n_heads=view["linear_num_heads"],
-            kda_head_dim=view["linear_head_dim"], kda_conv_kernel=view["linear_conv_kernel_dim"],
-            full_attention_layers=tuple(view["full_attention_layers"]))
+            **fields, kda_n_heads=view["linear_num_heads"], kda_head_dim=view["linear_head_dim"],
+            kda_conv_kernel=view["linear_conv_kernel_dim"], full_attention_layers=tuple(view["full_attention_layers"]))
 
     def extra_hf_config(self) -> dict:
         a = self.args
