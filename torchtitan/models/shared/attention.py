@@ -285,7 +285,8 @@ def note_max_logits(into: torch.Tensor, q: torch.Tensor, k: torch.Tensor, docume
     """
     if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return
-    with torch.no_grad():
+    # Without autocast, which would round the float32 logits to the compute dtype.
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
         _note_max_logits(into, q, k, documents, scale, window)
 
 

@@ -1,0 +1,55 @@
+"""QK-clip (optimizer.qk_clip_threshold) in training: under FSDP 2 and TP 2 the debug model's Muon steps with the
+clip on match the single process (losses and grad norms within 1e-4, the same heads clipped, the same largest
+logit); and in a longer single-process run whose logits grow past the threshold, the logged largest logit stays
+within 10% of it after the first clip, while the same run without the clip (a threshold no logit reaches, so the
+logits are measured alike) goes well past it."""
+
+import pytest
+
+from tests.integration.parity import assert_same_steps, rows_of
+
+# Muon in float32 at a high lr, so that the attention logits (about 0.7 at initialisation) grow within a few steps.
+MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--training.steps", "6",
+        "--optimizer.lr", "2e-2"]
+TAU = 0.5  # below the logits of the first step: every step clips
+CLIP = ["--optimizer.qk_clip_threshold", str(TAU)]
+# The learning curve: more steps and tokens, a lower lr (the logits grow a few % a step, so that one step's update
+# on top of the clip stays within 10%); the threshold is below what the unclipped run reaches.
+CURVE_TAU = 1.0
+CURVE = ["--job.config_file", "train_configs/debug_model_muon.toml", "--training.steps", "30", "--training.seq_len",
+         "256", "--training.local_batch_size", "4", "--optimizer.muon_ns_dtype", "float32", "--optimizer.lr", "1e-2"]
+LAYOUTS = {
+    "qkclip_single": (1, [*MUON, *CLIP, "--training.local_batch_size", "8"]),
+    "qkclip_fsdp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "4"]),
+    "qkclip_tp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "qkclip_curve_off": (1, [*CURVE, "--optimizer.qk_clip_threshold", "1e9"]),
+    "qkclip_curve_on": (1, [*CURVE, "--optimizer.qk_clip_threshold", str(CURVE_TAU)]),
+}
+
+
+def debug_layouts(folder):
+    """This module's runs of the suite-wide debug-model matrix (the debug_runs fixture)."""
+    return LAYOUTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["qkclip_fsdp2", "qkclip_tp2"])
+def test_the_clip_matches_the_single_process(debug_runs, layout):
+    rows, reference = rows_of(debug_runs, layout), rows_of(debug_runs, "qkclip_single")
+    assert [r["step"] for r in reference] == list(range(1, 7))
+    assert all(r["qk_clip/heads_clipped"] > 0 for r in reference)  # the clip acts on every step compared
+    assert_same_steps(rows, reference)
+    for ours, ref in zip(rows, reference):
+        assert ours["qk_clip/heads_clipped"] == ref["qk_clip/heads_clipped"], ours["step"]
+        assert ours["qk_clip/max_logit"] == pytest.approx(ref["qk_clip/max_logit"], rel=1e-4), ours["step"]
+
+
+@pytest.mark.slow
+def test_the_logged_largest_logit_stays_near_the_threshold(debug_runs):
+    off = [r["qk_clip/max_logit"] for r in rows_of(debug_runs, "qkclip_curve_off")]
+    on = rows_of(debug_runs, "qkclip_curve_on")
+    assert all(r["qk_clip/heads_clipped"] == 0 for r in rows_of(debug_runs, "qkclip_curve_off"))
+    first = next(i for i, r in enumerate(on) if r["qk_clip/heads_clipped"] > 0)
+    assert max(off) > 1.5 * CURVE_TAU  # without the clip the logits go well past the threshold
+    after = [r["qk_clip/max_logit"] for r in on[first + 1:]]
+    assert len(after) >= 10 and max(after) <= 1.1 * CURVE_TAU, after
