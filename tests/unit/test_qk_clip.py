@@ -68,7 +68,7 @@ def rows(weight: torch.Tensor, head: int, size: int) -> torch.Tensor:
     return weight[head * size:(head + 1) * size]
 
 
-@pytest.mark.parametrize("case", ["mha", "gqa_documents", "window_documents", "chunks"])
+@pytest.mark.parametrize("case", ["mha", "gqa_documents", "window_documents", "chunks", "autocast"])
 def test_the_noted_maximum_is_the_largest_allowed_logit(case, monkeypatch):
     torch.manual_seed(len(case))
     heads, kv_heads = (4, 2) if case != "mha" else (3, 3)
@@ -78,7 +78,9 @@ def test_the_noted_maximum_is_the_largest_allowed_logit(case, monkeypatch):
     if case == "chunks":
         monkeypatch.setattr(attention_module, "MAX_LOGIT_CHUNK", 2 * heads * SEQ * 3)  # 3 query rows a chunk
     into = torch.full((heads,), float("-inf"))
-    note_max_logits(into, q, k, None if ids is None else DocumentMask(ids, flex=False), 0.3, window)
+    # Training under autocast: the logits are still computed (and kept) in float32.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"):
+        note_max_logits(into, q, k, None if ids is None else DocumentMask(ids, flex=False), 0.3, window)
     expected = reference_max(q, k, 0.3, ids, window)
     torch.testing.assert_close(into.double(), expected, rtol=1e-6, atol=0)
     # A forward without gradients (validation, generation) notes nothing.
