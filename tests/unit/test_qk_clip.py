@@ -218,3 +218,17 @@ def test_qk_norm_families_are_refused_in_one_line(config, tmp_path):
     assert_one_line_error(main, ["--job.config_file", f"train_configs/{config}.toml", "--optimizer.qk_clip_threshold",
                                  "50", f"--job.dump_folder={tmp_path}"],
                           "optimizer.qk_clip_threshold", config.removesuffix("_debug"), "qk_norm")
+
+
+def test_a_compiled_block_notes_what_the_eager_one_does():
+    """The measurement runs eagerly between the compiled graphs (the trainer compiles without fullgraph then)."""
+    m, rope, x = gqa_attention(4, 2, bias=False, seed=11)
+    eager = QKClip(1e9, [as_model(m)], torch.device("cpu"))
+    m(x, rope)
+    expected = m.logit_max.clone()
+    eager.discard_step()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=False)
+    compiled(x, rope)
+    torch.testing.assert_close(m.logit_max, expected, rtol=1e-6, atol=0)
+    compiled(x * 0.5, rope)  # a later step's smaller logits leave the step's maximum as it was
+    torch.testing.assert_close(m.logit_max, expected, rtol=1e-6, atol=0)
