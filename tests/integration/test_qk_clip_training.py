@@ -46,14 +46,17 @@ def test_the_clip_matches_the_single_process(debug_runs, layout):
 
 @pytest.mark.slow
 def test_the_logged_largest_logit_stays_near_the_threshold(debug_runs):
-    off = [r["qk_clip/max_logit"] for r in rows_of(debug_runs, "qkclip_curve_off")]
-    on = rows_of(debug_runs, "qkclip_curve_on")
-    assert all(r["qk_clip/heads_clipped"] == 0 for r in rows_of(debug_runs, "qkclip_curve_off"))
+    off_rows, on = rows_of(debug_runs, "qkclip_curve_off"), rows_of(debug_runs, "qkclip_curve_on")
+    off = [r["qk_clip/max_logit"] for r in off_rows]
+    assert all(r["qk_clip/heads_clipped"] == 0 for r in off_rows)
+    assert max(off) > 1.4 * CURVE_TAU  # without the clip the logits go well past the threshold
     first = next(i for i, r in enumerate(on) if r["qk_clip/heads_clipped"] > 0)
-    assert max(off) > 1.5 * CURVE_TAU  # without the clip the logits go well past the threshold
-    after = [r["qk_clip/max_logit"] for r in on[first + 1:]]
-    # The clip scales by the step's pre-update logits, so the next batch sees them plus one update, and a batch
-    # unlike the last can exceed them: step 20's lifts the unclipped run's largest logit by a quarter in one step
-    # (1.53 -> 1.92), and the clipped run's alike. Every other step stays within 10% of the threshold.
-    within = [s <= 1.1 * CURVE_TAU for s in after]
-    assert len(after) >= 15 and sum(within) >= len(after) - 1 and max(after) <= 1.3 * CURVE_TAU, after
+    assert len(on) - first > 15
+    # The clip scales by the step's pre-update logits, so the next batch sees them plus one update (a few %). A
+    # head still under the threshold cannot be clipped ahead of a batch that lifts it far past it: such a step's
+    # maximum is the unclipped run's own (the clip has not touched that head yet). Every other step stays within
+    # 10% of the threshold.
+    for step, (ours, unclipped) in enumerate(zip(on[first + 1:], off[first + 1:]), start=first + 2):
+        logit = ours["qk_clip/max_logit"]
+        assert logit <= 1.1 * CURVE_TAU or logit == pytest.approx(unclipped, rel=1e-2), (step, logit, unclipped)
+    assert sum(r["qk_clip/max_logit"] <= 1.1 * CURVE_TAU for r in on[first + 1:]) >= len(on) - first - 2
