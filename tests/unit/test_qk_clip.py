@@ -68,14 +68,14 @@ def rows(weight: torch.Tensor, head: int, size: int) -> torch.Tensor:
     return weight[head * size:(head + 1) * size]
 
 
-@pytest.mark.parametrize("case", ["mha", "gqa_documents", "window_documents", "chunks", "autocast"])
+@pytest.mark.parametrize("case", ["mha", "gqa_documents", "window_documents", "chunks", "causal_chunks", "autocast"])
 def test_the_noted_maximum_is_the_largest_allowed_logit(case, monkeypatch):
     torch.manual_seed(len(case))
     heads, kv_heads = (4, 2) if case != "mha" else (3, 3)
     q, k = torch.randn(2, heads, SEQ, 8), torch.randn(2, kv_heads, SEQ, 8)
-    ids = torch.tensor([[0] * 5 + [1] * 12 + [2] * 7, [0] * 24]) if case != "mha" else None
+    ids = torch.tensor([[0] * 5 + [1] * 12 + [2] * 7, [0] * 24]) if case not in ("mha", "causal_chunks") else None
     window = 4 if case == "window_documents" else None
-    if case == "chunks":
+    if case.endswith("chunks"):
         monkeypatch.setattr(attention_module, "MAX_LOGIT_CHUNK", 2 * heads * SEQ * 3)  # 3 query rows a chunk
     into = torch.full((heads,), float("-inf"))
     # Training under autocast: the logits are still computed (and kept) in float32.

@@ -303,7 +303,13 @@ def _note_max_logits(into, q, k, documents, scale, window) -> None:
     for start in range(0, seq, rows):
         end = min(start + rows, seq)
         first = 0 if window is None else max(0, start - window + 1)
-        scores = torch.matmul(qg[:, :, :, start:end].to(work), k[:, :, None, first:end].to(work).transpose(-1, -2))
+        rows_q = qg[:, :, :, start:end].to(work)
+        if documents is None and window is None and start > 0:
+            # Keys before the chunk are all visible: no mask to build or apply there, only on the diagonal block.
+            earlier = torch.matmul(rows_q, k[:, :, None, :start].to(work).transpose(-1, -2))
+            best = torch.maximum(best, earlier.amax(dim=(0, 3, 4)).reshape(heads) * scale)
+            first = start
+        scores = torch.matmul(rows_q, k[:, :, None, first:end].to(work).transpose(-1, -2))
         back = positions[start:end, None] - positions[None, first:end]
         allowed = back >= 0 if window is None else (back >= 0) & (back < window)
         if documents is not None:
