@@ -69,16 +69,16 @@ def main() -> None:
 
     base = statistics.median(times["without QK-clip"])
     lines = [f"# QK-clip's cost: the {args.flavor} training step on CPU", "",
-             f"`python benchmarks/qk_clip_cost.py --batch {args.batch} --seq {args.seq} --repeats {args.repeats} "
+             (f"`python benchmarks/qk_clip_cost.py --batch {args.batch} --seq {args.seq} --repeats {args.repeats} "
              f"--dtype {args.dtype}`; {cpu_model() or platform.processor()}, {usable_cores()} usable cores, torch "
              f"{torch.__version__}; {model_args.n_layers} layers of {model_args.n_heads} heads of "
-             f"{model_args.head_dim}.", "",
+             f"{model_args.head_dim}."), "",
              "| case | forward + backward, median (s) | fastest (s) | vs without |", "|---|---|---|---|"]
     for name, values in times.items():
         median = statistics.median(values)
         lines.append(f"| {name} | {median:.3f} | {min(values):.3f} | {median / base:.3f}x |")
-    lines += ["", f"The clip after the step (the max all-reduce is absent in one process, the row scaling "
-                  f"of every layer): median {statistics.median(after) * 1e3:.2f} ms.", ""]
+    lines += ["", (f"The clip after the step (the max all-reduce is absent in one process, the row scaling "
+                   f"of every layer): median {statistics.median(after) * 1e3:.2f} ms."), ""]
     text = "\n".join(lines)
     print(text)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_paral
 # suite_matrices(folder) -> {prefix: Matrix}, and its layouts' names start with their prefix.
 OTHER_MATRIX_MODULES = ("test_moe", "test_deepseek_v3_training", "test_gradient_sync", "test_qwen3",
                         "test_extensions", "test_muon_training", "test_optimizer_checkpoints", "test_lora",
-                        "test_qwen3_next_training", "test_gpt_oss_training", "test_rl_training", "test_vlm_training")
+                        "test_qwen3_next_training", "test_gpt_oss_training", "test_rl_training", "test_vlm_training",
+                        "test_qk_clip_training")
 
 
 def read_rows(folder):

@@ -1,12 +1,13 @@
-"""QK-clip (optimizer.qk_clip_threshold) in training: under FSDP 2 and TP 2 the debug model's Muon steps with the
+"""QK-clip (optimizer.qk_clip_threshold) in training: under FSDP 2, TP 2 and PP 2 the debug model's Muon steps with the
 clip on match the single process (losses and grad norms within 1e-4, the same heads clipped, the same largest
-logit); and in a longer single-process run whose logits grow past the threshold, the logged largest logit stays
-within 10% of it after the first clip, while the same run without the clip (a threshold no logit reaches, so the
-logits are measured alike) goes well past it."""
+logit), and so do DeepSeek-V3's (MLA) and gpt-oss's (grouped heads with biases and sinks) under TP 2; and in a
+longer single-process run whose logits grow past the threshold, the logged largest logit stays within 10% of it
+after the first clip (but for a step where a head the clip had not touched yet jumps past it), while the same run
+without the clip (a threshold no logit reaches, so the logits are measured alike) goes well past it."""
 
 import pytest
 
-from tests.integration.parity import assert_same_steps, rows_of
+from tests.integration.parity import Matrix, assert_same_steps, rows_of
 
 # Muon in float32 at a high lr, so that the attention logits (about 0.7 at initialisation) grow within a few steps.
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--training.steps", "6",
@@ -22,6 +23,8 @@ LAYOUTS = {
     "qkclip_single": (1, [*MUON, *CLIP, "--training.local_batch_size", "8"]),
     "qkclip_fsdp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "4"]),
     "qkclip_tp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "qkclip_pp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8",
+                       "--parallelism.pipeline_parallel_degree", "2"]),
     "qkclip_curve_off": (1, [*CURVE, "--optimizer.qk_clip_threshold", "1e9"]),
     "qkclip_curve_on": (1, [*CURVE, "--optimizer.qk_clip_threshold", str(CURVE_TAU)]),
 }
@@ -32,8 +35,22 @@ def debug_layouts(folder):
     return LAYOUTS
 
 
+FAMILIES = {"qkclip_mla_": "train_configs/deepseek_v3_debug.toml", "qkclip_sinks_": "train_configs/gpt_oss_debug.toml"}
+FAMILY_COMMON = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--metrics.log_freq", "1",
+                 "--training.steps", "4", "--training.local_batch_size", "4", "--optimizer.name", "Muon",
+                 "--optimizer.muon_ns_dtype", "float32", "--optimizer.lr", "2e-2",
+                 "--optimizer.qk_clip_threshold", "0.1",  # the debug flavors' logits start near 0.13
+                 "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600"]
+
+
+def suite_matrices(folder) -> dict[str, Matrix]:
+    """DeepSeek-V3 and gpt-oss with the clip, one process and TP 2."""
+    layouts = {"single": (1, []), "tp2": (2, ["--parallelism.tensor_parallel_degree", "2"])}
+    return {prefix: Matrix(layouts, config, FAMILY_COMMON) for prefix, config in FAMILIES.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["qkclip_fsdp2", "qkclip_tp2"])
+@pytest.mark.parametrize("layout", ["qkclip_fsdp2", "qkclip_tp2", "qkclip_pp2"])
 def test_the_clip_matches_the_single_process(debug_runs, layout):
     rows, reference = rows_of(debug_runs, layout), rows_of(debug_runs, "qkclip_single")
     assert [r["step"] for r in reference] == list(range(1, 7))
@@ -42,6 +59,16 @@ def test_the_clip_matches_the_single_process(debug_runs, layout):
     for ours, ref in zip(rows, reference):
         assert ours["qk_clip/heads_clipped"] == ref["qk_clip/heads_clipped"], ours["step"]
         assert ours["qk_clip/max_logit"] == pytest.approx(ref["qk_clip/max_logit"], rel=1e-4), ours["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mla_and_grouped_heads_clip_under_tensor_parallelism_as_in_one_process(suite_runs, family):
+    runs = suite_runs[1]
+    rows, reference = rows_of(runs, f"{family}tp2"), rows_of(runs, f"{family}single")
+    assert len(reference) == 4 and all(r["qk_clip/heads_clipped"] > 0 for r in reference)
+    assert_same_steps(rows, reference)
+    assert [r["qk_clip/heads_clipped"] for r in rows] == [r["qk_clip/heads_clipped"] for r in reference]
 
 
 @pytest.mark.slow
