@@ -28,6 +28,7 @@ from torchtitan.components.objectives.objective import DataSourceContext, build_
 from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizers.mup import apply_lr_multipliers, base_lr, lr_multipliers
 from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
+from torchtitan.components.optimizers.qk_clip import QKClip
 from torchtitan.components.preemption import PreemptionWatcher
 from torchtitan.components.step_guard import StepGuard
 from torchtitan.config import ConfigError, JobConfig
@@ -231,6 +232,9 @@ class Trainer:
         # Checkpoints: resume from the latest one of this run, if any.
         self.train_state = TrainState()
         self.guard = StepGuard(training.guard)
+        tp_mesh = self.parallel_dims.submesh("tp")
+        self.qk_clip = QKClip(cfg.optimizer.qk_clip_threshold, self.model_parts, self.device,
+                              tp_mesh.get_local_rank() if tp_mesh is not None else 0, self.parallel_dims.tp)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint, cfg.job.dump_folder, self.model_parts, self.optimizer, self.lr_scheduler,
             self.dataloader, self.train_state, self.device, self.guard,
@@ -300,8 +304,10 @@ class Trainer:
         if not committed or (self.guard.cfg.enable and self._guard_skips(loss, grad_norm)):
             if self.expert_loads is not None:
                 self.expert_loads.discard_step()
+            self.qk_clip.discard_step()
         else:
             clipped_step(self.optimizer, params, grad_norm, self.cfg.training.max_norm)
+            self.qk_clip.after_step()  # before the converters' hook, which may derive state from the weights
             self.converters.post_optimizer_hook(self.model_parts)
             if self.expert_loads is not None:
                 self.expert_loads.after_step()
@@ -427,6 +433,7 @@ class Trainer:
         if self.metrics.should_log(step, self.cfg.training.steps):
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
             extra.update(self.guard.metrics())
+            extra.update(self.qk_clip.metrics())
             extra.update(self.replicas.metrics(step))
             extra.update({name: value.item() for name, value in self.step_metrics.items()})
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).

@@ -21,13 +21,14 @@ CONFIG = "train_configs/debug_model.toml"
 # The modules whose debug-model layouts run together; each has debug_layouts(folder) -> {name: (nproc, flags)}.
 DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_parallel_training",
                         "test_document_masking_training", "test_chunked_loss_training", "test_objective_training",
-                        "test_muon_training", "test_lora", "test_fault_tolerance", "test_mup_training")
+                        "test_muon_training", "test_lora", "test_fault_tolerance", "test_mup_training",
+                        "test_qk_clip_training")
 # The modules with runs of other models or configs in the same launches; each has
 # suite_matrices(folder) -> {prefix: Matrix}, and its layouts' names start with their prefix.
 OTHER_MATRIX_MODULES = ("test_moe", "test_deepseek_v3_training", "test_gradient_sync", "test_qwen3",
                         "test_extensions", "test_muon_training", "test_optimizer_checkpoints", "test_lora",
                         "test_qwen3_next_training", "test_gpt_oss_training", "test_rl_training", "test_vlm_training",
-                        "test_kimi_linear_training")
+                        "test_kimi_linear_training", "test_qk_clip_training")
 
 
 def read_rows(folder):

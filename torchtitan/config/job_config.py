@@ -101,6 +101,9 @@ class Optimizer:
         "auto", "Muon: dtype of the Newton-Schulz matmuls; auto: bfloat16 where it is fast (GPUs, CPUs with AMX or "
         "AVX-512 BF16), else float32")
     early_step_in_backward: bool = option(False, "Step each parameter as soon as its gradient is ready")
+    qk_clip_threshold: float = option(
+        0.0, "QK-clip (MuonClip): after each step, scale the query/key weights of every attention head whose largest "
+        "logit of the step exceeded this, back to it (0: off; not for QK-norm families)")
 
 
 @dataclass

@@ -69,10 +69,11 @@ def apply_ac_compile_and_data_parallel(model: nn.Module, parallel_dims: Parallel
     apply_ac(model, ac.mode, ac.selective_ac_option, ac.preserve_rng_state)
     if job_config.compile.enable and "model" in job_config.compile.components:
         # Context-parallel attention, the MoE's token counting and exchange, and block-causal attention's
-        # per-document loop (off CUDA) run eagerly between graphs.
+        # per-document loop (off CUDA), and QK-clip's max-logit measurement run eagerly between graphs.
         block_causal = DocumentMasking.from_config(job_config.model, training).block_causal
+        qk_clip = job_config.optimizer.qk_clip_threshold > 0
         apply_compile(model, job_config.compile.backend,
-                      fullgraph=not (parallel_dims.cp_enabled or has_moe or block_causal))
+                      fullgraph=not (parallel_dims.cp_enabled or has_moe or block_causal or qk_clip))
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,

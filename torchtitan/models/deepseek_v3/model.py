@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from torchtitan.models.deepseek_v3.args import DeepseekV3ModelArgs
-from torchtitan.models.shared.attention import DocumentMask, attend
+from torchtitan.models.shared.attention import DocumentMask, attend, note_max_logits
 from torchtitan.models.shared.decoder import Decoder, TransformerBlock
 from torchtitan.models.shared.feed_forward import FeedForward
 from torchtitan.models.shared.moe import MoE
@@ -56,6 +56,8 @@ class MultiHeadLatentAttention(nn.Module):
         # latent_fn(latent, k_rope) -> the latents and rotary keys attention reads: these tokens' own in training;
         # the generation engine swaps in its latent cache (torchtitan/generation/), which returns the history too.
         self.latent_fn = own_latents
+        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor.
+        self.logit_max: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,6 +77,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.logit_max is not None:
+            note_max_logits(self.logit_max, q, k, documents, self.softmax_scale)
         out = self.attention_fn(q, k, v, documents, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

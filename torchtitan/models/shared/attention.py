@@ -266,3 +266,55 @@ class _BlockedAttention(torch.autograd.Function):
         dsinks = None if sinks is None else attention_kernels.sink_grad(dout, out, lse, sinks)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), dsinks, None, None
+
+
+# Scores one chunk of the max-logit measurement may hold (float32: 64 MiB).
+MAX_LOGIT_CHUNK = 2**24
+
+
+@torch.compiler.disable
+def note_max_logits(into: torch.Tensor, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None,
+                    scale: float | None, window: int | None = None) -> None:
+    """Fold into ``into`` (q's heads,) each head's largest pre-softmax logit scale * q.k over the pairs the mask
+    lets attend (causal, within a document, within the window), for QK-clip (components/optimizers/qk_clip.py).
+
+    The kernels do not return their row maxima, so this recomputes the logits without gradients, in float32,
+    in chunks of query rows against only the keys those rows may see: about one more q.k^T of the forward. Only
+    training forwards count: under no_grad (validation, generation) or in backward (activation checkpointing's
+    recomputation, whose logits are the forward's) nothing is noted.
+    """
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    # Without autocast, which would round the float32 logits to the compute dtype.
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        _note_max_logits(into, q, k, documents, scale, window)
+
+
+def _note_max_logits(into, q, k, documents, scale, window) -> None:
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    batch, heads, seq, dim = q.shape
+    kv_heads = k.shape[1]
+    work = torch.promote_types(q.dtype, torch.float32)
+    # Query heads as (kv head, group) so that grouped heads share their key head without copying it.
+    qg = q.reshape(batch, kv_heads, heads // kv_heads, seq, dim)
+    rows = max(1, MAX_LOGIT_CHUNK // (batch * heads * seq))
+    best = torch.full((heads,), float("-inf"), dtype=work, device=q.device)
+    positions = torch.arange(seq, device=q.device)
+    for start in range(0, seq, rows):
+        end = min(start + rows, seq)
+        first = 0 if window is None else max(0, start - window + 1)
+        rows_q = qg[:, :, :, start:end].to(work)
+        if documents is None and window is None and start > 0:
+            # Keys before the chunk are all visible: no mask to build or apply there, only on the diagonal block.
+            earlier = torch.matmul(rows_q, k[:, :, None, :start].to(work).transpose(-1, -2))
+            best = torch.maximum(best, earlier.amax(dim=(0, 3, 4)).reshape(heads) * scale)
+            first = start
+        scores = torch.matmul(rows_q, k[:, :, None, first:end].to(work).transpose(-1, -2))
+        back = positions[start:end, None] - positions[None, first:end]
+        allowed = back >= 0 if window is None else (back >= 0) & (back < window)
+        if documents is not None:
+            ids = documents.ids
+            allowed = allowed & (ids[:, start:end, None] == ids[:, None, first:end])[:, None, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).reshape(heads) * scale)
+    into.copy_(torch.maximum(into, best.to(into.dtype)))

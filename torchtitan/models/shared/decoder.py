@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from torchtitan.models.shared.attention import DocumentMask, attend
+from torchtitan.models.shared.attention import DocumentMask, attend, note_max_logits
 from torchtitan.models.shared.decoder_args import DecoderArgs
 from torchtitan.models.shared.feed_forward import FeedForward
 from torchtitan.models.shared.moe import MoE
@@ -35,6 +35,8 @@ class Attention(nn.Module):
         # The attention kernel, attention_fn(q, k, v, documents); context parallelism swaps in one that
         # attends over a sharded sequence.
         self.attention_fn = attend
+        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor.
+        self.logit_max: torch.Tensor | None = None
         if qk_norm_eps is not None:
             # One RMSNorm weight of size head_dim shared by all heads: it keeps the attention logits
             # bounded without a per-head parameter (and lets TP ranks hold it whole).
@@ -56,6 +58,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.logit_max is not None:
+            note_max_logits(self.logit_max, q, k, documents, self.scale)
         out = self.attention_fn(q, k, v, documents, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
