@@ -33,15 +33,14 @@ def _batch(tokens: torch.Tensor, document_ids: torch.Tensor, labels: torch.Tenso
 
 def _logits(trainer: Trainer, batch: Batch) -> torch.Tensor | None:
     """Full (batch, seq, vocab) logits on the ranks that compute the output, else None."""
-    local = trainer._to_device_and_shard(batch)
-    inputs = trainer.masking.model_inputs(local)
+    tokens, inputs, labels = trainer._sharded_inputs(trainer._on_device(batch), batch.labels.to(trainer.device))
     with torch.no_grad(), trainer.autocast():
         if trainer.pipeline is None:
-            out = trainer.model_parts[0](local.input_ids, **inputs)
+            out = trainer.model_parts[0](tokens, **inputs)
         else:
             pipe = trainer.pipeline
-            out = pipe.schedule.eval(*((local.input_ids,) if pipe.has_first_stage else ()),
-                                     target=local.labels if pipe.has_last_stage else None,
+            out = pipe.schedule.eval(*((tokens,) if pipe.has_first_stage else ()),
+                                     target=labels if pipe.has_last_stage else None,
                                      losses=[] if pipe.has_last_stage else None, **inputs)
             if not pipe.has_last_stage:
                 return None
