@@ -337,18 +337,22 @@ class Trainer:
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """(tokens, the forward's keyword inputs, targets), the per-token ones split for context parallelism."""
         inputs = {**self.masking.model_inputs(batch), **(extra or {})}
-        tokens, targets, *values = self._cp_shard([batch.input_ids, targets, *inputs.values()])
+        # The sequence is the last dimension of every per-token input (multi-token prediction's (batch, depth, seq)
+        # too), except M-RoPE's positions, (batch, seq, 3).
+        dims = [1 if name == "positions" and t.dim() == 3 else t.dim() - 1 for name, t in inputs.items()]
+        tokens, targets, *values = self._cp_shard([batch.input_ids, targets, *inputs.values()],
+                                                  [1, targets.dim() - 1, *dims])
         return tokens, {**dict(zip(inputs, values)), **self.masking.image_inputs(batch)}, targets
 
     def _on_device(self, batch: Batch) -> Batch:
         return type(batch)(*(t.to(self.device, non_blocking=True) for t in batch))  # a Batch, or an objective's own
 
-    def _cp_shard(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Under context parallelism, this rank's head and tail chunks of every sequence (dimension 1)."""
+    def _cp_shard(self, tensors: list[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+        """Under context parallelism, this rank's head and tail chunks of every sequence (each tensor's ``dims``)."""
         if not self.parallel_dims.cp_enabled:
             return tensors
         cp_mesh = self.parallel_dims.submesh("cp")
-        return [shard_sequence(t, 1, cp_mesh.get_local_rank(), cp_mesh.size()) for t in tensors]
+        return [shard_sequence(t, dim, cp_mesh.get_local_rank(), cp_mesh.size()) for t, dim in zip(tensors, dims)]
 
     def _validation_batch_loss(self, model_parts: list[torch.nn.Module],
                                batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
