@@ -42,11 +42,17 @@ def _no_cache(model, prompt: list[int], images, steps: int) -> list[int]:
     pixel_values, grids = pad_row_images([[(torch.from_numpy(p), g) for p, g in images]],
                                          model.args.vision.patch_dim)
     tokens = list(prompt)
+    prompt_positions = mrope_positions(tokens, [g for _, g in images], 2051, 2)
+    shown = torch.tensor(tokens) == 2051
+    prompt_index = torch.where(shown, shown.cumsum(0) - 1, -1)
     with torch.no_grad():
-        for _ in range(steps):
-            positions = mrope_positions(tokens, [g for _, g in images], 2051, 2)[None]
+        for step in range(steps):
+            # Generated tokens are text, whatever their id (a random model may choose <|image_pad|>).
+            after = prompt_positions.max() + 1 + torch.arange(step)
+            positions = torch.cat([prompt_positions, after[:, None].expand(-1, 3)])[None]
+            image_index = torch.cat([prompt_index, torch.full((step,), -1)])[None]
             logits = model(torch.tensor([tokens]), positions=positions, pixel_values=pixel_values,
-                           image_grid_thw=grids)
+                           image_grid_thw=grids, image_index=image_index)
             tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt):]
 

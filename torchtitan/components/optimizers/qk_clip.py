@@ -50,7 +50,7 @@ def config_problems(optimizer: OptimizerConfig, model_name: str, model_args, con
     if tau == 0:
         return []
     problems = []
-    if getattr(model_args, "qk_norm", False):
+    if model_args.qk_norm:
         problems.append((field, f"cannot clip model.name = {model_name!r}: it normalises q and k per head (its "
                                 "args' qk_norm), which undoes any scaling of their projections; set it to 0"))
     if context_parallel_degree > 1:
