@@ -12,13 +12,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.unit.test_context_parallel import _free_port
-from tests.unit.test_gated_deltanet import fresh_generator, varlen_reference
+from tests.unit.test_gated_deltanet import assert_span_is_affine, fresh_generator, varlen_reference
 from torchtitan.distributed.context_parallel import shard_sequence
 from torchtitan.distributed.context_parallel_linear import cp_recurrence
 from torchtitan.models.shared.attention import DocumentMask
 from torchtitan.models.shared.gated_delta_rule import (
-    apply_incoming,
-    chunk_transition,
     gated_delta_rule,
     gated_delta_step,
 )
@@ -165,16 +163,7 @@ def test_float32_stays_exact_under_strong_channel_decays(strong):
 
 def test_a_span_is_an_affine_map_of_its_incoming_state_with_channel_decays():
     gen = fresh_generator()
-    q, k, v, g, beta = channel_inputs(2, 70, 2, 6, 4, F64, gen)
-    incoming = torch.randn(2, 2, 6, 4, dtype=F64, generator=gen)
-    resets = torch.zeros(2, 70, dtype=torch.bool)
-    resets[1, 0] = True  # this row's span starts a document: the incoming state must not reach it
-    resets[0, 50] = True
-    o0, qt, M, N = chunk_transition(q, k, v, g, beta, resets)
-    out, state = gated_delta_rule(q, k, v, g, beta, resets, incoming)
-    assert (apply_incoming(o0, qt, incoming) - out).abs().max() <= 1e-12
-    assert ((M @ incoming + N) - state).abs().max() <= 1e-12
-    assert M[1].abs().max() == 0 and qt[1].abs().max() == 0
+    assert_span_is_affine(*channel_inputs(2, 70, 2, 6, 4, F64, gen), gen)
 
 
 def test_the_fla_wrapper_keeps_the_contract_with_channel_decays():
