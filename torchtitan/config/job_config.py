@@ -323,6 +323,24 @@ class Comm:
 
 
 @dataclass
+class Observability:
+    record_phases: bool = option(
+        True, "Time each step's phases on every rank (data, forward_backward, grad_comm, optimizer, logging, "
+        "evaluation, checkpoint) into {dump_folder}/timeline/rank{N}.jsonl and gather min/median/max every log step")
+    max_file_mb: float = option(64.0, "A rank's timeline file is rotated to rank{N}.jsonl.1 beyond this size (MB)")
+    trace_steps: int = option(20, "Steps the Chrome trace timeline/trace_rank{N}.json holds (the last ones)")
+    straggler_fraction: float = option(
+        0.2, "A rank is behind at a step when it reaches a phase's end later than the median rank by this "
+        "fraction of the median step time")
+    straggler_steps: int = option(3, "Consecutive steps behind before a rank is named a straggler")
+    hang_watchdog: bool = option(True, "Write every thread's stack when no step finishes within the hang timeout")
+    hang_timeout_seconds: float = option(
+        0.0, "Seconds without progress before the watchdog fires; 0: 10x the median step, at least 30 s and at most "
+        "0.8x comm.train_timeout_seconds (it must fire before the collective timeout ends the job without stacks)")
+    hang_exit: bool = option(False, "End the job after writing the stacks, so a scheduler can requeue it")
+
+
+@dataclass
 class Validation:
     enable: bool = option(False, "Run validation during training")
     dataset: str = option("pydocs", "Registered dataset used for validation (its validation split)")
@@ -449,6 +467,7 @@ class JobConfig:
     quantize: Quantize = section(Quantize, "Quantized training")
     lora: LoRA = section(LoRA, "Low-rank adapters (model.converters = [\"lora\"])")
     comm: Comm = section(Comm, "Collective communication")
+    observability: Observability = section(Observability, "Per-rank step phases, stragglers, hangs and memory")
     fault_tolerance: FaultTolerance = section(FaultTolerance, "Replica groups that fail and rejoin mid-run (torchft)")
     validation: Validation = section(Validation, "Validation")
     eval: Eval = section(Eval, "Downstream tasks (lm-evaluation-harness) during training")
