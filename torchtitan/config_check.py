@@ -131,6 +131,9 @@ def _check_training(c: _Checker) -> None:
     from torchtitan.components.metrics.backends import config_problems as backend_problems
 
     c.report("", backend_problems(c.cfg.metrics))
+    from torchtitan.components.observability.rank_summary import config_problems as observability_problems
+
+    c.report("observability", observability_problems(c.cfg.observability))
 
 
 def _check_optimizer(c: _Checker) -> None:

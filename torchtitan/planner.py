@@ -672,9 +672,8 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
                         f"the longest prompt plus the most new tokens, each at most training.seq_len - 1 = "
                         f"{t.seq_len - 1}")
     device = device.upper() if device.upper() in (*DEVICE_MEMORY_GIB, "CPU") else device
-    # training.mixed_precision_param = "auto" means what the trainer would pick on that device.
-    dtype, _ = resolve_compute_dtype(cfg.training.mixed_precision_param, "cpu" if device == "CPU" else "cuda")
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, mixed_precision_param=dtype))
+    cfg = _with_compute_dtype(cfg, "cpu" if device == "CPU" else "cuda")
+    dtype = cfg.training.mixed_precision_param
     capacity, peak = device_capacity_and_peak(device, cfg.training.mixed_precision_param)
     layout = resolve_layout(cfg, world_size)
     m = model_shape(cfg, vocab_size)
@@ -700,6 +699,19 @@ def plan(cfg: JobConfig, device: str, world_size: int = 1, efficiency: float | N
                 flops_per_device=matmul + attention, peak_tflops=peak, speed=speed, step_time_s=step_time,
                 compute_dtype=dtype, moe=moe_summary(m, cfg, layout),
                 generation=generation_summary(m, generate_batch, generate_length, dtype, layout.tp))
+
+
+def _with_compute_dtype(cfg: JobConfig, device_type: str) -> JobConfig:
+    """``cfg`` with training.mixed_precision_param = "auto" resolved as the trainer resolves it on that device."""
+    dtype, _ = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, mixed_precision_param=dtype))
+
+
+def predicted_memory(cfg: JobConfig, device_type: str, world_size: int, vocab_size: int) -> Memory:
+    """The plan's memory for the busiest device alone (no step timing), for a run to log beside what it measures."""
+    cfg = _with_compute_dtype(cfg, device_type)
+    return predict_memory(model_shape(cfg, vocab_size), cfg, resolve_layout(cfg, world_size),
+                          on_cpu=device_type == "cpu")
 
 
 def generation_cache_bytes(m: ModelShape, rows: int, length: int, dtype: torch.dtype, tp: int = 1) -> int:

@@ -22,6 +22,7 @@ from torchtitan.components.metrics.backends import MetricsBackendError
 from torchtitan.components.metrics.host_memory import keep_freed_host_memory
 from torchtitan.components.metrics.logger import MetricsLogger
 from torchtitan.components.metrics.profiling import Profiler
+from torchtitan.components.observability.observer import RunObserver
 from torchtitan.components.objectives.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.objectives.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
 from torchtitan.components.objectives.objective import DataSourceContext, build_objective
@@ -223,6 +224,9 @@ class Trainer:
             cfg.metrics, cfg.job.dump_folder, self.rank, self.device, compute_dtype(training), self.flops_per_token,
             training.steps, run_config=config_to_dict(cfg), console_extras=self.objective.metric_names,
         )
+        # Every rank's step phases and memory, summarised each log step beside the planner's memory prediction.
+        self.observer = RunObserver(cfg.observability, cfg.job.dump_folder, self.rank, self.device,
+                                    cfg.metrics.log_freq, self._planned_memory())
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
@@ -261,6 +265,25 @@ class Trainer:
                     f"{self.parallel_dims.dp}{f' x {groups} replica groups' if ft.enable else ''} x accumulation "
                     f"{self.grad_accum_steps}; {training.steps} steps")
 
+    def _planned_memory(self) -> dict[str, float] | None:
+        """The planner's GiB per device for this config (scripts/plan.py's memory table), logged once; None when it
+        cannot plan it (e.g. a model outside the decoder contract)."""
+        from torchtitan.planner import GIB, predicted_memory
+
+        if not self.cfg.observability.record_phases:
+            return None
+        try:
+            memory = predicted_memory(self.cfg, self.device.type, self.parallel_dims.world_size,
+                                      self.tokenizer.vocab_size)
+        except Exception as e:  # the prediction is a by-product: a config it cannot plan still trains
+            logger.warning(f"no memory plan for this run (the planner: {e})")
+            return None
+        parts = {name: getattr(memory, name) / GIB for name in ("params", "grads", "optimizer", "activations",
+                                                               "transient", "rl")}
+        logger.info(f"memory plan (the planner, busiest device): {memory.total / GIB:.2f} GiB = "
+                    + ", ".join(f"{name} {gib:.2f}" for name, gib in parts.items() if gib))
+        return {"total": memory.total / GIB, **parts}
+
     def _hf_adapter(self, spec):
         """The family's Hugging Face adapter for exports, told whether to drop a MoE routing bias; None if none."""
         if spec.state_dict_adapter is None:
@@ -290,6 +313,7 @@ class Trainer:
         parts = sum(self.runner.forward_backward(tokens, inputs, targets, global_counts,
                                                  last_microbatch=index == len(prepared) - 1)
                     for index, (tokens, inputs, targets) in enumerate(prepared))
+        self.observer.mark("forward_backward")
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_mesh = self.parallel_dims.submesh("pp")
         counted_elsewhere = self.runner.finish_gradients()
@@ -298,6 +322,7 @@ class Trainer:
         # Only the ranks holding the last stage have a loss; the others add zero.
         loss, *extra = self.replicas.sum(sum_over(sum_over(parts, pp_mesh), self.loss_mesh))
         self.step_metrics = dict(zip(self.objective.metric_names, extra))
+        self.observer.mark("grad_comm")  # what of the gradient and loss reductions was left exposed
         if self.expert_loads is not None:
             self.expert_loads.collect()
         committed = self.replicas.should_commit()  # False: a replica group failed mid-step, which is redone
@@ -313,6 +338,7 @@ class Trainer:
                 self.expert_loads.after_step()
         if committed:
             self.lr_scheduler.step()  # a step the guard skipped still counts for the schedule
+        self.observer.mark("optimizer")
         return loss, grad_norm
 
     def _guard_skips(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
@@ -391,11 +417,14 @@ class Trainer:
                     gc.collect(1)
                 # A tensor for torchao's optimizers; under µP, optimizer.lr's share of the first group's.
                 lr = base_lr(self.optimizer, float(self.lr_scheduler.get_last_lr()[0]))
+                self.observer.begin_step(self.step + 1)
                 data_start = time.perf_counter()
                 microbatches = [next(self.data_iterator) for _ in range(self.grad_accum_steps)]
                 data_seconds = time.perf_counter() - data_start
+                self.observer.mark("data")
                 loss, grad_norm = self.train_step(microbatches)
                 if not self.replicas.committed:
+                    self.observer.abandon_step()
                     logger.warning(f"step {self.step + 1} not committed (a replica group failed during it): its "
                                    "batch is dropped and the step redone by the groups still training")
                     if self.preemption.should_stop():
@@ -412,6 +441,8 @@ class Trainer:
                 saved = self.checkpointer.should_save(step, cfg.steps)
                 if saved:
                     self.checkpointer.save(step, cfg.steps)
+                self.observer.mark("checkpoint")
+                self.metrics.log_ranks(step, self.observer.end_step(self.metrics.should_log(step, cfg.steps)))
                 if self.preemption.should_stop():
                     self._stop_for_preemption(step, saved)
                     return
@@ -445,10 +476,12 @@ class Trainer:
             namespace = getattr(self.dataloader, "metrics_namespace", "data")  # e.g. "rl" for rollouts
             extra.update({f"{namespace}/{name}": n for name, n in data_metrics.items()})
             self.metrics.log(step, loss_value, norm_value, lr, extra)
+        self.observer.mark("logging")
         if self.validator is not None and self.validator.should_validate(step):
             self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
         if self.task_eval is not None and self.task_eval.should_run(step):
             self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
+        self.observer.mark("evaluation")
 
     def close(self) -> None:
         if hasattr(self.dataloader, "close"):  # e.g. GRPO's reward workers
@@ -456,6 +489,7 @@ class Trainer:
         self.replicas.close()
         self.preemption.close()
         self.checkpointer.close()
+        self.observer.close()
         self.metrics.close()
 
 

@@ -28,7 +28,7 @@ DEBUG_LAYOUT_MODULES = ("test_distributed", "test_pipeline", "test_context_paral
 OTHER_MATRIX_MODULES = ("test_moe", "test_deepseek_v3_training", "test_gradient_sync", "test_qwen3",
                         "test_extensions", "test_muon_training", "test_optimizer_checkpoints", "test_lora",
                         "test_qwen3_next_training", "test_gpt_oss_training", "test_rl_training", "test_vlm_training",
-                        "test_kimi_linear_training", "test_qk_clip_training")
+                        "test_kimi_linear_training", "test_qk_clip_training", "test_step_timeline")
 
 
 def read_rows(folder):

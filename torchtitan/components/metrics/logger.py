@@ -114,6 +114,23 @@ class MetricsLogger:
         self._emit({"step": step, **values}, f"eval step: {step}  " + "  ".join(f"{k}: {v:.4f}" for k, v in
                                                                              values.items()))
 
+    def log_ranks(self, step: int, values: dict) -> None:
+        """A row of every rank's step phases and memory (components/observability: phase/*, memory/*,
+        straggler/events), rank 0's only; its console line gives the step time's spread and the slowest rank."""
+        if not values:
+            return
+        line = f"ranks step: {step}"
+        if "phase/total/median" in values:
+            line += (f"  step_time min/median/max: {values['phase/total/min']:.3f}/{values['phase/total/median']:.3f}/"
+                     f"{values['phase/total/max']:.3f}s (slowest rank {values['phase/total/slowest_rank']})")
+        kind = next((k for k in ("peak_reserved_gib", "peak_rss_gib") if f"memory/{k}/max" in values), None)
+        if kind is not None:
+            line += (f"  {kind.removesuffix('_gib')} min/max: {values[f'memory/{kind}/min']:.2f}/"
+                     f"{values[f'memory/{kind}/max']:.2f} GiB (rank {values[f'memory/{kind}/max_rank']})")
+            if "memory/plan_gib" in values:
+                line += f", plan {values['memory/plan_gib']:.2f} GiB"
+        self._emit({"step": step, **values}, line)
+
     def _emit(self, row: dict, line: str) -> None:
         if not self.writes:
             return

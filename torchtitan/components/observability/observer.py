@@ -1,0 +1,74 @@
+"""What the trainer calls to see its run: a step's phases marked as they end, and at each log step every rank's
+phases and memory summarised (step_phases.py, rank_summary.py), next to the planner's memory prediction."""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from torchtitan.components.observability.rank_summary import RankSummary, memory_readings
+from torchtitan.components.observability.step_phases import StepPhases
+from torchtitan.config.job_config import Observability
+from torchtitan.log import logger
+
+
+class RunObserver:
+    def __init__(self, cfg: Observability, dump_folder: str, rank: int, device: torch.device, log_freq: int,
+                 planned_memory: dict[str, float] | None):
+        """``planned_memory``: the planner's GiB per part and "total" for this config (None: it could not plan)."""
+        self.enabled = cfg.record_phases
+        self.rank = rank
+        self.device = device
+        self.phases = StepPhases(cfg, dump_folder, rank, device)
+        self.summary = None
+        self.planned_gib = None if planned_memory is None else planned_memory["total"]
+        if not self.enabled:
+            return
+        kinds = tuple(memory_readings(device))
+        self.summary = RankSummary(cfg, rank, device, window=log_freq, memory_kinds=kinds)
+        if rank == 0 and planned_memory is not None:
+            folder = Path(dump_folder) / "timeline"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "plan.json").write_text(json.dumps(
+                {"device": device.type, "world_size": self.summary.world,
+                 "memory_gib": {k: round(v, 4) for k, v in planned_memory.items()}}, indent=1))
+
+    def begin_step(self, step: int) -> None:
+        self.phases.begin(step)
+
+    def mark(self, phase: str) -> None:
+        """The named phase of the running step ends now (step_phases.PHASES, in order)."""
+        self.phases.mark(phase)
+
+    def abandon_step(self) -> None:
+        self.phases.abandon()
+
+    def end_step(self, summarise: bool) -> dict:
+        """Close the step; on a log step (``summarise``, the same on every rank) gather every rank's phases and
+        memory and return rank 0's metrics for them (others: {})."""
+        if not self.enabled:
+            return {}
+        if not summarise:
+            self.phases.end()
+            return {}
+        t0 = time.perf_counter()
+        memory = memory_readings(self.device)
+        self.phases.end(memory, wait=True)
+        finished = self.phases.take_finished()
+        metrics = self.summary.gather(finished, memory)
+        self.phases.write_trace()
+        own = self.phases.take_own_seconds() + time.perf_counter() - t0
+        steps = sum(times.total for times in finished)
+        if self.rank == 0:
+            if self.planned_gib is not None:
+                metrics["memory/plan_gib"] = round(self.planned_gib, 4)
+            # This rank's recorder time (marks, rows, this summary) over the steps it covered.
+            metrics["observability/overhead_pct"] = round(100 * own / max(steps, 1e-9), 4)
+        return metrics
+
+    def close(self) -> None:
+        try:
+            self.phases.close()
+        except OSError as e:  # the timeline is a by-product: its disk filling up must not hide the real exit
+            logger.warning(f"could not finish the timeline files: {e}")

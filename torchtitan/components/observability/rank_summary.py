@@ -1,0 +1,176 @@
+"""Every log step, all ranks' step phases and memory in one place: min/median/max and who is slowest, and stragglers.
+
+Each rank sends one small tensor (its steps since the last log step: step, start, phase seconds; and its memory
+readings) in one all-gather over the default group; rank 0 summarises it into the metrics row and names
+stragglers. One collective per log step, on a tensor of (log_freq + 1) x 9 numbers per rank.
+
+A straggler is a rank that falls behind the others, not one whose step is long: the ranks of a synchronous step
+wait for each other inside its collectives, so every rank's step lasts as long as the slowest one's and the
+waiting shows up in the phase where the others wait, not in the slow rank's. What tells them apart is *when*
+each rank reaches the end of each phase, on the common clock of the step starts (unix time; hosts are assumed
+NTP-synchronised to well under a step): a rank is behind at a step when it reaches some phase's end later than
+the median rank (of an even count, the lower middle one) by more than ``straggler_fraction`` of the median step time, and it fell behind in the phase
+where its lag grew most. Behind for ``straggler_steps`` consecutive steps, it is named in one log line (rank,
+host, phase, lag) and counted in ``straggler/events``.
+"""
+
+import os
+import resource
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.observability.step_phases import PHASES, StepTimes
+from torchtitan.config.job_config import Observability
+from torchtitan.log import logger
+
+GIB = 2**30
+
+
+def memory_readings(device: torch.device) -> dict[str, float]:
+    """This process's memory now, in GiB: allocated and reserved (and their peaks) on CUDA; resident set size
+    now and at its peak on CPU."""
+    if device.type == "cuda":
+        return {"allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+                "reserved_gib": torch.cuda.memory_reserved(device) / GIB,
+                "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
+    readings = {}
+    try:
+        with open("/proc/self/statm") as f:  # Linux: the second field is resident pages
+            readings["rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB
+    except OSError:
+        pass
+    readings["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return {kind: round(value, 4) for kind, value in readings.items()}
+
+
+def config_problems(cfg: Observability) -> list[tuple[str, str]]:
+    problems = []
+    if cfg.max_file_mb <= 0:
+        problems.append(("max_file_mb", "is invalid; it must be > 0"))
+    if cfg.trace_steps < 1:
+        problems.append(("trace_steps", "is invalid; it must be >= 1"))
+    if cfg.straggler_fraction <= 0:
+        problems.append(("straggler_fraction", "is invalid; it must be > 0"))
+    if cfg.straggler_steps < 1:
+        problems.append(("straggler_steps", "is invalid; it must be >= 1"))
+    return problems
+
+
+class RankSummary:
+    """Gathers each log window's steps and memory from every rank; rank 0 turns them into metrics."""
+
+    def __init__(self, cfg: Observability, rank: int, device: torch.device, window: int,
+                 memory_kinds: tuple[str, ...]):
+        """``window``: the most steps between two log steps (metrics.log_freq)."""
+        self.cfg = cfg
+        self.rank = rank
+        self.device = device
+        self.window = window
+        self.memory_kinds = memory_kinds
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.hosts = [None] * self.world
+        if self.distributed:
+            dist.all_gather_object(self.hosts, os.uname().nodename)
+        else:
+            self.hosts = [os.uname().nodename]
+        self.stragglers = StragglerDetector(cfg, self.hosts)
+
+    def gather(self, steps: list[StepTimes], memory: dict[str, float]) -> dict:
+        """All ranks call this at the same log step; rank 0 returns the metrics (others an empty dict)."""
+        columns = 2 + len(PHASES)
+        local = torch.full((self.window + 1, columns), float("nan"), dtype=torch.float64)
+        for kind_index, kind in enumerate(self.memory_kinds):
+            if kind in memory:
+                local[0, 2 + kind_index] = memory[kind]
+        for row, times in enumerate(steps[-self.window:], start=1):
+            local[row, 0], local[row, 1] = times.step, times.start
+            local[row, 2:] = torch.tensor([times.phases[p] for p in PHASES], dtype=torch.float64)
+        if self.distributed:
+            everyone = torch.empty((self.world * local.shape[0], columns), dtype=torch.float64, device=self.device)
+            dist.all_gather_into_tensor(everyone, local.to(self.device))
+            everyone = everyone.cpu().view(self.world, *local.shape)
+        else:
+            everyone = local[None]
+        if self.rank != 0:
+            return {}
+        return {**self._phase_metrics(everyone), **self._memory_metrics(everyone[:, 0]),
+                **self._stragglers(everyone[:, 1:])}
+
+    def _phase_metrics(self, everyone: torch.Tensor) -> dict:
+        metrics = {}
+        steps = everyone[:, 1:]
+        valid = ~torch.isnan(steps[:, :, 0])
+        if not valid.any():
+            return metrics
+        # Each rank's mean seconds per step over the window, per phase and in total.
+        phases = torch.nan_to_num(steps[:, :, 2:]) * valid[..., None]
+        means = phases.sum(dim=1) / valid.sum(dim=1).clamp(min=1)[:, None]
+        for index, name in enumerate((*PHASES, "total")):
+            per_rank = (means.sum(dim=1) if name == "total" else means[:, index]).tolist()
+            metrics.update(_spread(f"phase/{name}", per_rank, "slowest_rank", digits=6))
+        return metrics
+
+    def _memory_metrics(self, memory: torch.Tensor) -> dict:
+        metrics = {}
+        for index, kind in enumerate(self.memory_kinds):
+            per_rank = memory[:, 2 + index]
+            if not torch.isnan(per_rank).any():
+                metrics.update(_spread(f"memory/{kind}", per_rank.tolist(), "max_rank", digits=4))
+        return metrics
+
+    def _stragglers(self, steps: torch.Tensor) -> dict:
+        """Walk the window's steps that every rank finished, in order."""
+        common = None
+        for rank in range(self.world):
+            ids = {int(s) for s in steps[rank, :, 0].tolist() if s == s}
+            common = ids if common is None else common & ids
+        for step in sorted(common or ()):
+            rows = torch.stack([steps[r][steps[r, :, 0] == step][0] for r in range(self.world)])
+            self.stragglers.check(step, rows[:, 1], rows[:, 2:])
+        return {"straggler/events": self.stragglers.events}
+
+
+class StragglerDetector:
+    """Counts each rank's consecutive steps behind the median rank and names it once it reaches straggler_steps."""
+
+    def __init__(self, cfg: Observability, hosts: list[str]):
+        self.cfg = cfg
+        self.hosts = hosts
+        self.behind = [0] * len(hosts)
+        self.events = 0
+        self.named: list[tuple[int, str, int]] = []  # (rank, phase, step) of each straggler named
+
+    def check(self, step: int, starts: torch.Tensor, phases: torch.Tensor) -> None:
+        """One step: ``starts`` (ranks,) unix seconds, ``phases`` (ranks, len(PHASES)) seconds."""
+        # When each rank reaches the end of each phase, relative to the median rank (column 0: the step start).
+        ends = torch.cat([starts[:, None], starts[:, None] + phases.cumsum(dim=1)], dim=1)
+        # torch's median of an even count is the lower middle one: of two ranks, the one ahead.
+        lag = ends - ends.median(dim=0, keepdim=True).values
+        median_step = statistics.median(phases.sum(dim=1).tolist())
+        threshold = self.cfg.straggler_fraction * median_step
+        for rank in range(len(self.hosts)):
+            worst = float(lag[rank, 1:].max())
+            if worst <= threshold:
+                self.behind[rank] = 0
+                continue
+            self.behind[rank] += 1
+            if self.behind[rank] == self.cfg.straggler_steps:
+                self.events += 1
+                phase = PHASES[int((lag[rank, 1:] - lag[rank, :-1]).argmax())]
+                self.named.append((rank, phase, step))
+                first = step - self.cfg.straggler_steps + 1
+                logger.warning(
+                    f"straggler: rank {rank} (host {self.hosts[rank]}) fell behind in {phase} at steps {first}-{step}: "
+                    f"{worst:.3f} s behind the median rank ({worst / max(median_step, 1e-9):.0%} of the median step "
+                    f"of {median_step:.3f} s; observability.straggler_fraction = {self.cfg.straggler_fraction})")
+
+
+def _spread(prefix: str, per_rank: list[float], argmax_name: str, digits: int) -> dict:
+    return {f"{prefix}/min": round(min(per_rank), digits),
+            f"{prefix}/median": round(statistics.median(per_rank), digits),
+            f"{prefix}/max": round(max(per_rank), digits),
+            f"{prefix}/{argmax_name}": max(range(len(per_rank)), key=per_rank.__getitem__)}
