@@ -1,5 +1,5 @@
-"""QK-clip (optimizer.qk_clip_threshold) in training: under FSDP 2, TP 2 and PP 2 the debug model's Muon steps with the
-clip on match the single process (losses and grad norms within 1e-4, the same heads clipped, the same largest
+"""QK-clip (optimizer.qk_clip_threshold) in training: under FSDP 2, TP 2, PP 2 and CP 2 the debug model's Muon steps
+with the clip on match the single process (losses and grad norms within 1e-4, the same heads clipped, the same largest
 logit), and so do DeepSeek-V3's (MLA) and gpt-oss's (grouped heads with biases and sinks) under TP 2; and in a
 longer single-process run whose logits grow past the threshold, the logged largest logit stays within 10% of it
 after the first clip (but for a step where a head the clip had not touched yet jumps past it), while the same run
@@ -25,6 +25,9 @@ LAYOUTS = {
     "qkclip_tp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
     "qkclip_pp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8",
                        "--parallelism.pipeline_parallel_degree", "2"]),
+    # Each rank measures its head and tail query rows against the gathered keys of the whole sequence.
+    "qkclip_cp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "8",
+                       "--parallelism.context_parallel_degree", "2"]),
     "qkclip_curve_off": (1, [*CURVE, "--optimizer.qk_clip_threshold", "1e9"]),
     "qkclip_curve_on": (1, [*CURVE, "--optimizer.qk_clip_threshold", str(CURVE_TAU)]),
 }
@@ -50,7 +53,7 @@ def suite_matrices(folder) -> dict[str, Matrix]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["qkclip_fsdp2", "qkclip_tp2", "qkclip_pp2"])
+@pytest.mark.parametrize("layout", ["qkclip_fsdp2", "qkclip_tp2", "qkclip_pp2", "qkclip_cp2"])
 def test_the_clip_matches_the_single_process(debug_runs, layout):
     rows, reference = rows_of(debug_runs, layout), rows_of(debug_runs, "qkclip_single")
     assert [r["step"] for r in reference] == list(range(1, 7))

@@ -1,18 +1,24 @@
 """QK-clip (components/optimizers/qk_clip.py): the per-head largest logit each attention notes, against the full
 masked score matrix in float64; the clip on hand-made attentions (MHA, GQA, MLA) scales exactly the heads over the
 threshold by the published factors, leaves the others bitwise, and brings their largest logit to the threshold;
-QK-norm families are refused in one line."""
+under context parallelism the ranks' maxima, max-reduced, are the whole sequence's; QK-norm families are refused in
+one line."""
 
+import json
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from tests.bad_input import assert_one_line_error
+from tests.unit.test_context_parallel import _free_port
 from torchtitan.components.optimizers import qk_clip
 from torchtitan.components.optimizers.qk_clip import QKClip
 from torchtitan.config.job_config import Optimizer
+from torchtitan.distributed.context_parallel import apply_context_parallel, context_parallel_max_logits, shard_sequence
 from torchtitan.models.deepseek_v3.args import deepseek_v3_flavors
 from torchtitan.models.deepseek_v3.model import MultiHeadLatentAttention
 from torchtitan.models.shared import attention as attention_module
@@ -207,7 +213,7 @@ def test_threshold_zero_notes_and_changes_nothing():
 
 @pytest.mark.parametrize("tau", [-1.0, float("nan"), float("inf")])
 def test_an_invalid_threshold_is_refused(tau):
-    problems = qk_clip.config_problems(Optimizer(qk_clip_threshold=tau), "llama3", None, 1, False)
+    problems = qk_clip.config_problems(Optimizer(qk_clip_threshold=tau), "llama3", None, False)
     assert problems and problems[0][0] == "optimizer.qk_clip_threshold" and "must be > 0" in problems[0][1]
 
 
@@ -232,3 +238,87 @@ def test_a_compiled_block_notes_what_the_eager_one_does():
     torch.testing.assert_close(m.logit_max, expected, rtol=1e-6, atol=0)
     compiled(x * 0.5, rope)  # a later step's smaller logits leave the step's maximum as it was
     torch.testing.assert_close(m.logit_max, expected, rtol=1e-6, atol=0)
+
+
+def crossing_documents(seq: int, cp: int) -> torch.Tensor:
+    """Two rows of document ids: one document across each of the 2 * cp - 1 cuts between the head-tail chunks (its
+    boundaries half-way into the chunks), and one document for the whole row."""
+    chunk = seq // (2 * cp)
+    return torch.stack([(torch.arange(seq) + chunk // 2) // chunk, torch.zeros(seq, dtype=torch.long)])
+
+
+def _cp_worker(rank, world, port, result_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh = dist.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    worst, cases = 0.0, 0
+    seq = 12 * world  # chunks of 6 tokens
+    for kv_heads in (4, 2):  # multi-head, grouped-query
+        for documents in (False, True):
+            for window in (None, 5, 9):  # a window inside one chunk and one across two
+                for chunk_rows in (None, 4):  # the measurement in one piece, or 4 query rows at a time
+                    cases += 1
+                    attention_module.MAX_LOGIT_CHUNK = 2**24 if chunk_rows is None else 2 * 4 * seq * chunk_rows
+                    g = torch.Generator().manual_seed(cases)  # every rank draws the same full tensors
+                    q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64)
+                    k = torch.randn(2, kv_heads, seq, 8, generator=g, dtype=torch.float64)
+                    ids = crossing_documents(seq, world) if documents else None
+                    expected = torch.full((4,), float("-inf"), dtype=torch.float64)
+                    note_max_logits(expected, q, k, None if ids is None else DocumentMask(ids, flex=False), 0.3,
+                                    window)
+                    local = [shard_sequence(t, 2, rank, world) for t in (q, k)]
+                    mask = None if ids is None else DocumentMask(shard_sequence(ids, 1, rank, world), flex=False)
+                    into = torch.full((4,), float("-inf"), dtype=torch.float64)
+                    context_parallel_max_logits(into, *local, mask, 0.3, window, cp_group_or_mesh=mesh)
+                    with torch.no_grad():  # not a training forward: nothing noted (and nothing gathered)
+                        context_parallel_max_logits(into, 10 * local[0], local[1], mask, 0.3, window,
+                                                    cp_group_or_mesh=mesh)
+                    dist.all_reduce(into, op=dist.ReduceOp.MAX)
+                    worst = max(worst, (into - expected).abs().max().item())
+    # Through apply_context_parallel: an attention module's forward on this rank's tokens (its RoPE rows at their
+    # global positions) notes, max-reduced, what the unsharded module notes, with and without documents.
+    torch.manual_seed(0)
+    attention = Attention(64, 8, 4, 8, "pairs").double()
+    rope = rope_table(rope_frequencies(8, 10_000.0), seq).double()
+    x, ids = torch.randn(2, seq, 64, dtype=torch.float64), crossing_documents(seq, world)
+    expected = []
+    for documents in (None, DocumentMask(ids, flex=False)):
+        attention.logit_max = torch.full((8,), float("-inf"), dtype=torch.float64)
+        attention(x, rope, documents=documents)
+        expected.append(attention.logit_max)
+    apply_context_parallel(as_model(attention), mesh, seq, "allgather")
+    module_err = 0.0
+    for documents, want in zip((None, DocumentMask(shard_sequence(ids, 1, rank, world), flex=False)), expected):
+        attention.logit_max = torch.full((8,), float("-inf"), dtype=torch.float64)
+        attention(shard_sequence(x, 1, rank, world), rope, documents=documents)
+        dist.all_reduce(attention.logit_max, op=dist.ReduceOp.MAX)
+        module_err = max(module_err, (attention.logit_max - want).abs().max().item())
+    with open(f"{result_file}.{rank}", "w") as f:
+        json.dump({"worst": worst, "cases": cases, "module": module_err}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_maxima_are_the_whole_sequences(tmp_path, world):
+    """fp64: each rank's maxima, max-reduced, equal the whole-sequence note (MHA and GQA, with and without
+    documents crossing every cut, without a window and with windows inside and across chunks, in one piece and in
+    chunks of query rows); and an attention module under apply_context_parallel notes the unsharded one's maxima."""
+    mp.start_processes(_cp_worker, args=(world, _free_port(), str(tmp_path / "worst")), nprocs=world,
+                       start_method="spawn")
+    for rank in range(world):
+        report = json.loads((tmp_path / f"worst.{rank}").read_text())
+        assert report["cases"] == 24
+        assert report["worst"] <= 1e-12 and report["module"] <= 1e-12, (rank, report)
+
+
+def test_the_config_accepts_context_parallelism():
+    from torchtitan.config import load_config
+    from torchtitan.config_check import validate_config
+
+    for flags in (["--training.seq_len", "64"], ["--training.seq_len", "96", "--parallelism.tensor_parallel_degree",
+                                                  "2", "--parallelism.data_parallel_shard_degree", "1"]):
+        cfg, sources = load_config(["--job.config_file", "train_configs/debug_model.toml", "--optimizer.name", "Muon",
+                                    "--optimizer.qk_clip_threshold", "50", "--parallelism.context_parallel_degree",
+                                    "2", *flags])
+        validate_config(cfg, sources, world_size=4)

@@ -30,7 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Parallelism, Training, Validation
 from torchtitan.log import logger
-from torchtitan.models.shared.attention import DocumentMask, document_spans, with_value_head_size
+from torchtitan.models.shared.attention import (
+    DocumentMask,
+    _note_max_logits,
+    document_spans,
+    noting_max_logits,
+    with_value_head_size,
+)
 from torchtitan.models.shared.attention_kernels import (
     _compute_dtype,
     _pick_kernel,
@@ -497,11 +503,41 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _CPAttention.apply(q, k, v, sinks, ctx)
 
 
+@torch.compiler.disable
+def context_parallel_max_logits(into: torch.Tensor, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None,
+                                scale: float | None, window: int | None = None, *,
+                                cp_group_or_mesh: DeviceMesh | dist.ProcessGroup | None) -> None:
+    """models/shared/attention.py's note_max_logits (QK-clip's per-head largest logit) for head-tail sharded q and k
+    (and document ids) over a CP group: exactly what it notes on the whole sequence, max-reduced over the ranks.
+
+    Each rank gathers the keys (and the document ids, which the attention shares) once, without gradients, and
+    measures its head and tail query rows at their global positions against all of them: one more all-gather of
+    k per attention layer per training forward, for the measurement only. Every rank of the group must call it
+    alike; it notes (and gathers) only in training forwards, a decision all ranks share.
+    """
+    if not noting_max_logits():
+        return
+    group = _resolve_group(cp_group_or_mesh)
+    cp = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        full_k, full_ids = k.detach(), None if documents is None else full_document_ids(documents, group)
+        if cp > 1:
+            out = full_k.new_empty(cp * k.size(0), *k.shape[1:])
+            dist.all_gather_into_tensor(out, full_k.contiguous(), group=group)
+            full_k = unshard_sequence(list(out.view(cp, *k.shape)), dim=2)
+        chunk, head, tail = _chunk_starts(full_k.size(2), rank, cp)
+        for rows, first_position in ((slice(0, chunk), head), (slice(chunk, 2 * chunk), tail)):
+            q_ids = None if documents is None else documents.ids[:, rows]
+            _note_max_logits(into, q[:, :, rows], full_k, scale, window, q_ids, full_ids, first_position)
+
+
 def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len: int, method: str) -> None:
     """Make every attention module of ``model`` attend over the cp-sharded sequence.
 
     A model opts in by giving its attention modules an ``attention_fn(q, k, v, documents=None)`` attribute
-    and a ``forward(x, rope, ..., positions=None)`` whose RoPE table is indexed by position. Each rank's
+    and a ``forward(x, rope, ..., positions=None)`` whose RoPE table is indexed by position; a ``max_logit_fn``
+    (QK-clip's measurement) becomes context_parallel_max_logits over the same group. Each rank's
     tokens are its head and tail chunks, so without explicit ``positions`` its RoPE rows are those of
     ``cp_positions``; the training sequence length is fixed, so the rows are chosen once here rather than
     passed through the model on every call. Explicit positions (sharded like the tokens) are used as given.
@@ -513,6 +549,9 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len:
     def attention(q, k, v, documents=None, scale=None, window=None, sinks=None):
         return context_parallel_attention(q, k, v, cp_mesh, method, scale=scale, documents=documents, window=window,
                                           sinks=sinks)
+
+    def max_logits(into, q, k, documents, scale, window=None):
+        context_parallel_max_logits(into, q, k, documents, scale, window, cp_group_or_mesh=cp_mesh)
 
     def rope_rows_of_this_rank(module, args, kwargs):
         if kwargs.get("positions") is not None:
@@ -529,6 +568,8 @@ def apply_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh, seq_len:
         if hasattr(module, "attention_fn"):
             # Dynamo cannot trace the send/recv inside; compiled blocks call it eagerly.
             module.attention_fn = torch.compiler.disable(attention)
+            if hasattr(module, "max_logit_fn"):
+                module.max_logit_fn = max_logits
             module.register_forward_pre_hook(rope_rows_of_this_rank, with_kwargs=True)
             patched += 1
     if patched == 0:

@@ -17,10 +17,13 @@ S_h > tau gets gamma_h = tau / S_h:
   part) x sqrt(gamma_h), the rotary query rows x gamma_h; the rotary key, shared by all heads, is untouched.
 
 Under tensor parallelism each rank holds whole heads (their query and key rows and all of their logits), so the
-maxima it noted are its heads' complete maxima and the rows it scales are exactly those heads' rows; the maxima
-travel in one max all-reduce over the world, which also carries every other rank's layers and heads. Parameters
-sharded by FSDP or TP are scaled on the rows each rank holds. Families that normalise q and k per head (QK-norm)
-are refused: the norm undoes any scaling of the projections.
+maxima it noted are its heads' complete maxima and the rows it scales are exactly those heads' rows. Under context
+parallelism each rank holds a head and a tail chunk of the sequence: its attention modules' max_logit_fn
+(distributed/context_parallel.py: context_parallel_max_logits) gathers the keys of the whole sequence and measures
+its own query rows at their global positions, so each pair is measured on the rank that holds its query. The maxima
+travel in one max all-reduce over the world, which also carries every other rank's layers, heads and queries.
+Parameters sharded by FSDP or TP are scaled on the rows each rank holds. Families that normalise q and k per head
+(QK-norm) are refused: the norm undoes any scaling of the projections.
 
 There is no state between steps (the maxima are the step's, then cleared), so checkpoints hold nothing of it.
 """
@@ -40,7 +43,7 @@ from torchtitan.models.deepseek_v3.model import MultiHeadLatentAttention
 from torchtitan.models.shared.decoder import Attention
 
 
-def config_problems(optimizer: OptimizerConfig, model_name: str, model_args, context_parallel_degree: int,
+def config_problems(optimizer: OptimizerConfig, model_name: str, model_args,
                     fault_tolerance: bool) -> list[tuple[str, str]]:
     """Problems with optimizer.qk_clip_threshold for this model and layout, as (field, reason) pairs."""
     tau = optimizer.qk_clip_threshold
@@ -53,9 +56,6 @@ def config_problems(optimizer: OptimizerConfig, model_name: str, model_args, con
     if model_args.qk_norm:
         problems.append((field, f"cannot clip model.name = {model_name!r}: it normalises q and k per head (its "
                                 "args' qk_norm), which undoes any scaling of their projections; set it to 0"))
-    if context_parallel_degree > 1:
-        problems.append((field, "is not measured under context parallelism yet (each rank sees part of the keys); "
-                                "set parallelism.context_parallel_degree = 1 or the threshold to 0"))
     if fault_tolerance:
         problems.append((field, "does not combine with fault_tolerance.enable (the replica groups would clip on "
                                 "their own maxima and drift apart); set it to 0"))

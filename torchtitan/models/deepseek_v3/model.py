@@ -56,8 +56,10 @@ class MultiHeadLatentAttention(nn.Module):
         # latent_fn(latent, k_rope) -> the latents and rotary keys attention reads: these tokens' own in training;
         # the generation engine swaps in its latent cache (torchtitan/generation/), which returns the history too.
         self.latent_fn = own_latents
-        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor.
+        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor, by
+        # max_logit_fn (see the shared Attention).
         self.logit_max: torch.Tensor | None = None
+        self.max_logit_fn = note_max_logits
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: DocumentMask | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +80,7 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.logit_max is not None:
-            note_max_logits(self.logit_max, q, k, documents, self.softmax_scale)
+            self.max_logit_fn(self.logit_max, q, k, documents, self.softmax_scale)
         out = self.attention_fn(q, k, v, documents, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.gpt_oss.args import GptOssModelArgs
-from torchtitan.models.shared.attention import DocumentMask, note_max_logits
+from torchtitan.models.shared.attention import DocumentMask
 from torchtitan.models.shared.decoder import Attention, Decoder, TransformerBlock
 from torchtitan.models.shared.feed_forward import FeedForward
 from torchtitan.models.shared.moe import MoE
@@ -47,7 +47,7 @@ class SinkAttention(Attention):
         q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.logit_max is not None:
-            note_max_logits(self.logit_max, q, k, documents, self.scale, self.window)
+            self.max_logit_fn(self.logit_max, q, k, documents, self.scale, self.window)
         out = self.attention_fn(q, k, v, documents, scale=self.scale, window=self.window, sinks=self.sinks.local())
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

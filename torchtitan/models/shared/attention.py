@@ -272,49 +272,62 @@ class _BlockedAttention(torch.autograd.Function):
 MAX_LOGIT_CHUNK = 2**24
 
 
+def noting_max_logits() -> bool:
+    """Whether this forward's logits count for QK-clip: only training forwards. Under no_grad (validation,
+    generation) or in backward (activation checkpointing's recomputation, whose logits are the forward's) nothing is
+    noted; the same answer on every rank, so measurements with collectives (context parallelism) stay in step."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 @torch.compiler.disable
 def note_max_logits(into: torch.Tensor, q: torch.Tensor, k: torch.Tensor, documents: DocumentMask | None,
                     scale: float | None, window: int | None = None) -> None:
     """Fold into ``into`` (q's heads,) each head's largest pre-softmax logit scale * q.k over the pairs the mask
     lets attend (causal, within a document, within the window), for QK-clip (components/optimizers/qk_clip.py).
+    The attention modules call it through their ``max_logit_fn`` (context parallelism swaps in one that sees the
+    other ranks' keys).
 
     The kernels do not return their row maxima, so this recomputes the logits without gradients, in float32,
     in chunks of query rows against only the keys those rows may see: about one more q.k^T of the forward. Only
-    training forwards count: under no_grad (validation, generation) or in backward (activation checkpointing's
-    recomputation, whose logits are the forward's) nothing is noted.
+    training forwards count (noting_max_logits).
     """
-    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    if not noting_max_logits():
         return
     # Without autocast, which would round the float32 logits to the compute dtype.
     with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        _note_max_logits(into, q, k, documents, scale, window)
+        ids = None if documents is None else documents.ids
+        _note_max_logits(into, q, k, scale, window, ids, ids)
 
 
-def _note_max_logits(into, q, k, documents, scale, window) -> None:
+def _note_max_logits(into, q, k, scale, window, q_ids=None, k_ids=None, first_position: int = 0) -> None:
+    """The measurement for query rows at the consecutive positions ``first_position``, ... of a sequence whose keys
+    are ``k`` (positions 0, 1, ...); ``q_ids``/``k_ids``: the rows' and keys' document ids (both or neither)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     work = torch.promote_types(q.dtype, torch.float32)
     # Query heads as (kv head, group) so that grouped heads share their key head without copying it.
     qg = q.reshape(batch, kv_heads, heads // kv_heads, seq, dim)
-    rows = max(1, MAX_LOGIT_CHUNK // (batch * heads * seq))
+    rows = max(1, MAX_LOGIT_CHUNK // (batch * heads * k.shape[2]))
     best = torch.full((heads,), float("-inf"), dtype=work, device=q.device)
-    positions = torch.arange(seq, device=q.device)
+    positions = torch.arange(first_position + seq, device=q.device)
     for start in range(0, seq, rows):
         end = min(start + rows, seq)
-        first = 0 if window is None else max(0, start - window + 1)
+        # The chunk's queries are at positions [lo, hi): they see keys up to hi - 1, and with a window from
+        # lo - window + 1.
+        lo, hi = first_position + start, first_position + end
+        first = 0 if window is None else max(0, lo - window + 1)
         rows_q = qg[:, :, :, start:end].to(work)
-        if documents is None and window is None and start > 0:
+        if q_ids is None and window is None and lo > 0:
             # Keys before the chunk are all visible: no mask to build or apply there, only on the diagonal block.
-            earlier = torch.matmul(rows_q, k[:, :, None, :start].to(work).transpose(-1, -2))
+            earlier = torch.matmul(rows_q, k[:, :, None, :lo].to(work).transpose(-1, -2))
             best = torch.maximum(best, earlier.amax(dim=(0, 3, 4)).reshape(heads) * scale)
-            first = start
-        scores = torch.matmul(rows_q, k[:, :, None, first:end].to(work).transpose(-1, -2))
-        back = positions[start:end, None] - positions[None, first:end]
+            first = lo
+        scores = torch.matmul(rows_q, k[:, :, None, first:hi].to(work).transpose(-1, -2))
+        back = positions[lo:hi, None] - positions[None, first:hi]
         allowed = back >= 0 if window is None else (back >= 0) & (back < window)
-        if documents is not None:
-            ids = documents.ids
-            allowed = allowed & (ids[:, start:end, None] == ids[:, None, first:end])[:, None, None]
+        if q_ids is not None:
+            allowed = allowed & (q_ids[:, start:end, None] == k_ids[:, None, first:hi])[:, None, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).reshape(heads) * scale)
     into.copy_(torch.maximum(into, best.to(into.dtype)))

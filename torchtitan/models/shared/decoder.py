@@ -35,8 +35,11 @@ class Attention(nn.Module):
         # The attention kernel, attention_fn(q, k, v, documents); context parallelism swaps in one that
         # attends over a sharded sequence.
         self.attention_fn = attend
-        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor.
+        # QK-clip's per-head largest logit of the step (this rank's heads), noted while it is a tensor, by
+        # max_logit_fn(into, q, k, documents, scale, window=None); context parallelism swaps in one that sees the
+        # other ranks' keys.
         self.logit_max: torch.Tensor | None = None
+        self.max_logit_fn = note_max_logits
         if qk_norm_eps is not None:
             # One RMSNorm weight of size head_dim shared by all heads: it keeps the attention logits
             # bounded without a per-head parameter (and lets TP ranks hold it whole).
@@ -59,7 +62,7 @@ class Attention(nn.Module):
         q, k = (apply_rope(t, rope, self.rope_convention, positions) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.logit_max is not None:
-            note_max_logits(self.logit_max, q, k, documents, self.scale)
+            self.max_logit_fn(self.logit_max, q, k, documents, self.scale)
         out = self.attention_fn(q, k, v, documents, scale=self.scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
