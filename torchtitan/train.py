@@ -25,6 +25,7 @@ from torchtitan.components.metrics.profiling import Profiler
 from torchtitan.components.objectives.forward_backward import LocalForwardBackward, PipelineForwardBackward
 from torchtitan.components.objectives.loss import build_cross_entropy_loss, count_valid_tokens, summed_loss_share
 from torchtitan.components.objectives.objective import DataSourceContext, build_objective
+from torchtitan.components.observability.hang_watchdog import HangWatchdog
 from torchtitan.components.optimizers.lr_scheduler import build_lr_scheduler
 from torchtitan.components.optimizers.mup import apply_lr_multipliers, base_lr, lr_multipliers
 from torchtitan.components.optimizers.optimizer import build_optimizer, clipped_step
@@ -257,6 +258,8 @@ class Trainer:
             logger.warning("fine-tuning on chat data from freshly initialised weights: no checkpoint was resumed and "
                            "checkpoint.initial_load_path is unset (give the pretrained checkpoint to start from)")
         self.preemption = PreemptionWatcher(self.device)
+        self.hang_watchdog = HangWatchdog(cfg.observability, cfg.comm.train_timeout_seconds, cfg.job.dump_folder,
+                                          self.rank, self.device)
         logger.info(f"global batch {global_batch * groups} sequences = local {training.local_batch_size} x dp "
                     f"{self.parallel_dims.dp}{f' x {groups} replica groups' if ft.enable else ''} x accumulation "
                     f"{self.grad_accum_steps}; {training.steps} steps")
@@ -411,21 +414,24 @@ class Trainer:
                 self.checkpointer.poll()
                 saved = self.checkpointer.should_save(step, cfg.steps)
                 if saved:
-                    self.checkpointer.save(step, cfg.steps)
+                    with self.hang_watchdog.paused():
+                        self.checkpointer.save(step, cfg.steps)
                 if self.preemption.should_stop():
                     self._stop_for_preemption(step, saved)
                     return
                 if step == 1:
                     device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+                self.hang_watchdog.progress(step, time.perf_counter() - data_start)
         finally:
             gc.enable()
             profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")
 
     def _stop_for_preemption(self, step: int, saved: bool) -> None:
-        if self.cfg.checkpoint.enable and not saved:
-            self.checkpointer.save(step, self.cfg.training.steps)
-        self.checkpointer.wait()
+        with self.hang_watchdog.paused():
+            if self.cfg.checkpoint.enable and not saved:
+                self.checkpointer.save(step, self.cfg.training.steps)
+            self.checkpointer.wait()
         where = "a checkpoint is saved" if self.cfg.checkpoint.enable else "checkpointing is off, nothing saved"
         logger.warning(f"stopping after step {step} on {self.preemption.received or 'a peer rank signal'}: "
                        f"{where}; relaunch the same command to resume")
@@ -446,11 +452,14 @@ class Trainer:
             extra.update({f"{namespace}/{name}": n for name, n in data_metrics.items()})
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         if self.validator is not None and self.validator.should_validate(step):
-            self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+            with self.hang_watchdog.paused():
+                self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
         if self.task_eval is not None and self.task_eval.should_run(step):
-            self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
+            with self.hang_watchdog.paused():
+                self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
 
     def close(self) -> None:
+        self.hang_watchdog.close()
         if hasattr(self.dataloader, "close"):  # e.g. GRPO's reward workers
             self.dataloader.close()
         self.replicas.close()
