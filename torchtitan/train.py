@@ -423,6 +423,7 @@ class Trainer:
                     device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
                 self.hang_watchdog.progress(step, time.perf_counter() - data_start)
         finally:
+            self.hang_watchdog.close()  # what follows training (teardown, a test's checks) is not a step
             gc.enable()
             profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")

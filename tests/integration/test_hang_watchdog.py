@@ -2,6 +2,7 @@
 each rank's stack file names where it is (the sleeping line, the collective), and with hang_exit the job ends by
 itself soon after the timeout."""
 
+import functools
 import os
 import re
 import subprocess
@@ -11,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import tests.hang_on_purpose as hang_on_purpose
+from tests import hang_on_purpose
 from tests.conftest import REPO, torchrun_command
 from tests.integration.test_checkpoint import kill_tree
-from torchtitan.components.observability.hang_watchdog import HANG_EXIT_CODE
+from torchtitan.components.observability.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 
 TIMEOUT = 5
+TIMEOUT_IN_PROCESS = 3
 FLAGS = ["--job.config_file", "train_configs/tiny.toml", "--training.steps", "10",
          "--observability.hang_timeout_seconds", str(TIMEOUT), "--comm.train_timeout_seconds", "60",
          "--experimental.custom_import", "tests.hang_on_purpose"]
@@ -74,6 +76,7 @@ def test_a_hung_rank_and_its_waiting_peer_are_named_and_hang_exit_ends_the_job(t
     hang_started = float((tmp_path / "hang_started").read_text())
     assert proc.returncode != 0, out[-5000:]
     assert f"exitcode  : {HANG_EXIT_CODE}" in out  # torchrun's report: the watchdog ended the ranks
+    print(f"the job ended {ended - hang_started:.1f} s after the hang began (timeout {TIMEOUT} s)")
     assert ended - hang_started <= TIMEOUT + 10, (ended - hang_started, out[-5000:])
     assert_positions(tmp_path, out)
     assert out.count(f"ending the process (exit code {HANG_EXIT_CODE})") == 2
@@ -95,3 +98,40 @@ def test_without_hang_exit_the_stacks_are_written_and_the_job_is_left_running(tm
     out = proc.stdout.read()
     assert_positions(tmp_path, out)
     assert "ending the process" not in out
+
+
+def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_and_saves(tmp_path, monkeypatch):
+    """In process: a validation and a checkpoint save each take longer than the hang timeout (slowed on purpose)
+    and fire nothing; the watchdog got every step's end and duration, and stops when training returns."""
+    import torchtitan.train
+    from tests.integration.test_training import make_trainer
+
+    # Looking often, so a pause only a little longer than the timeout would be caught were it not paused; the
+    # timeout leaves a busy machine's ordinary steps (up to ~1.5 s seen) well inside it.
+    monkeypatch.setattr(torchtitan.train, "HangWatchdog", functools.partial(HangWatchdog, poll_seconds=0.05))
+    trainer = make_trainer(tmp_path, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
+                           "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                           "--observability.hang_timeout_seconds", str(TIMEOUT_IN_PROCESS))
+    slowed = []
+
+    def slow_first_call(name, call):
+        def slow(*args, **kwargs):
+            if name not in slowed:
+                slowed.append(name)
+                time.sleep(TIMEOUT_IN_PROCESS + 0.5)
+            return call(*args, **kwargs)
+        return slow
+
+    trainer.validator.validate = slow_first_call("validation", trainer.validator.validate)
+    trainer.checkpointer.save = slow_first_call("save", trainer.checkpointer.save)
+    watchdog = trainer.hang_watchdog
+    try:
+        trainer.train()
+        assert watchdog._thread is None  # stopped as train() returned
+    finally:
+        trainer.close()
+    assert slowed == ["validation", "save"]
+    assert watchdog.fired == 0 and not (tmp_path / "hangs").exists()
+    assert watchdog._step == 3 and watchdog._steps == 3
+    durations = list(watchdog._durations)  # steps 2 and 3 (the first warms up), each the data wait and the step
+    assert len(durations) == 2 and all(0 < d < 60 for d in durations), durations

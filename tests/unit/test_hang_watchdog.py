@@ -29,6 +29,22 @@ class FakeClock:
         return self.now
 
 
+@pytest.fixture(autouse=True)
+def close_every_watchdog(monkeypatch):
+    """A test that fails before its close() must not leave a watching thread behind for the next tests."""
+    made = []
+    init = HangWatchdog.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(HangWatchdog, "__init__", recording_init)
+    yield
+    for w in made:
+        w.close()
+
+
 @pytest.fixture
 def log_lines():
     """The warning lines the torchtitan logger emits during the test (it does not propagate to pytest's)."""
@@ -209,7 +225,8 @@ def test_the_position_names_the_innermost_frame_and_the_runs_innermost_frame():
         # The dispatcher under the collective says nothing: the collective is named.
         ([(train, 292, "train_step"), (c10d.__file__, 142, "wait_tensor"), (torch._ops.__file__, 1279, "__call__")],
          "torch/distributed/distributed_c10d.py:142 in wait_tensor, called from torchtitan/train.py:292 in train_step"),
-        ([(train, 400, "train"), (collectives, 13, "sum_over")], "torchtitan/distributed/collectives.py:13 in sum_over"),
+        ([(train, 400, "train"), (collectives, 13, "sum_over")],
+         "torchtitan/distributed/collectives.py:13 in sum_over"),
         ([(c10d.__file__, 10, "init")], "torch/distributed/distributed_c10d.py:10 in init"),
     ]
     for frames, expected in cases:
@@ -238,7 +255,9 @@ def test_hang_exit_ends_the_process_with_its_code_after_the_log_line(tmp_path, m
                                                    ("cuda", None, False), ("cpu", "2000", False)])
 def test_the_nccl_flight_recorder_is_dumped_on_cuda_when_enabled(tmp_path, monkeypatch, log_lines, device, buffer,
                                                                  written):
-    payload = pickle.dumps({"entries": [{"profiling_name": "nccl:all_reduce", "seed": os.urandom(8)}]})
+    # A dump of the shape PyTorch's flight recorder writes (its analyzer reads these keys).
+    payload = pickle.dumps({"version": "2.10", "pg_config": {"0": {"name": "0", "ranks": "[0, 1]"}},
+                            "entries": [{"profiling_name": "nccl:all_reduce", "seed": os.urandom(8).hex()}]})
     monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: payload, raising=False)
     if buffer is None:
         monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
@@ -251,10 +270,17 @@ def test_the_nccl_flight_recorder_is_dumped_on_cuda_when_enabled(tmp_path, monke
     clock.now += 6
     assert w.check()
     w.close()
-    dump = tmp_path / "hangs" / "nccl_trace_rank1.pkl"
+    dump = tmp_path / "hangs" / "nccl_trace" / "rank1"
     assert dump.exists() == written
     if written:
         assert dump.read_bytes() == payload
+        # Named so that the analyzer (python -m torch.distributed.flight_recorder.fr_trace hangs/nccl_trace) reads
+        # the folder: the prefix inferred, the rank taken from the name.
+        from torch.distributed.flight_recorder.components.loader import _determine_prefix, read_dump
+
+        prefix = _determine_prefix(os.listdir(dump.parent))
+        read = read_dump(prefix, str(dump))
+        assert read["rank"] == 1 and read["entries"] == pickle.loads(payload)["entries"]
         assert f"the NCCL flight recorder in {dump}" in log_lines[0]
     else:
         assert "NCCL" not in log_lines[0]

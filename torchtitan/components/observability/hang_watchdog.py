@@ -6,7 +6,7 @@ boundaries; each call restarts the clock. When no call came for the hang timeout
 - appends every thread's Python stack to ``{dump_folder}/hangs/rank{R}.txt``, the training thread's first, with
   the last finished step, the seconds since the last progress and the phase last entered;
 - on CUDA with the NCCL flight recorder on (TORCH_NCCL_TRACE_BUFFER_SIZE > 0), writes its dump (a pickle) to
-  ``hangs/nccl_trace_rank{R}.pkl``;
+  ``hangs/nccl_trace/rank{R}``;
 - logs one warning line naming where the training thread is;
 - with observability.hang_exit, ends the process with HANG_EXIT_CODE so torchrun tears the job down and a
   scheduler may requeue it.
@@ -19,7 +19,8 @@ automatic one (hang_timeout_seconds = 0) once three steps finished: 10x the medi
 timeout, which otherwise ends the job first, without stacks (config_problems checks the pair).
 
 Validation, task evaluation and checkpoint saves run inside ``paused()``: their length is not a step's, so the
-watchdog neither fires during them nor counts them; a hang there is left to the collective timeout.
+watchdog neither fires during them nor counts them; a hang there is left to the collective timeout. The trainer
+closes the watchdog when train() returns: the teardown after the last step is not a step either.
 """
 
 from __future__ import annotations
@@ -57,25 +58,22 @@ _DURATIONS_KEPT = 100  # the median is over the last this many steps
 def config_problems(observability: Observability, comm: Comm) -> list[tuple[str, str]]:
     """Problems with the hang watchdog's settings as (full key, reason) pairs; they span [observability] and
     [comm]."""
+    timeout, on = observability.hang_timeout_seconds, observability.hang_watchdog
+    key = "observability.hang_timeout_seconds"
     problems = []
-    timeout = observability.hang_timeout_seconds
     if not math.isfinite(timeout) or timeout < 0:
-        problems.append(("observability.hang_timeout_seconds",
-                         "is invalid; it must be >= 0 (0: 10x the median step, within [30 s, 0.8x "
-                         "comm.train_timeout_seconds])"))
-    elif observability.hang_watchdog and timeout >= comm.train_timeout_seconds:
-        problems.append(("observability.hang_timeout_seconds",
-                         f"is not below comm.train_timeout_seconds = {comm.train_timeout_seconds}: the collective "
-                         "timeout would end the job first, without stacks; lower it (0: automatic) or raise "
-                         "comm.train_timeout_seconds"))
-    elif not observability.hang_watchdog and timeout != 0:
-        problems.append(("observability.hang_timeout_seconds",
-                         "is set but observability.hang_watchdog is off, which would ignore it; turn the watchdog "
-                         "on or leave it at 0"))
-    if observability.hang_exit and not observability.hang_watchdog:
-        problems.append(("observability.hang_exit",
-                         "needs observability.hang_watchdog, which is off (nothing would notice the hang); turn the "
-                         "watchdog on or leave hang_exit off"))
+        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, within [30 s, 0.8x "
+                              "comm.train_timeout_seconds])"))
+    elif on and timeout >= comm.train_timeout_seconds:
+        problems.append((key, f"is not below comm.train_timeout_seconds = {comm.train_timeout_seconds}: the "
+                              "collective timeout would end the job first, without stacks; lower it (0: automatic) "
+                              "or raise comm.train_timeout_seconds"))
+    elif not on and timeout != 0:
+        problems.append((key, "is set but observability.hang_watchdog is off, which would ignore it; turn the "
+                              "watchdog on or leave it at 0"))
+    if observability.hang_exit and not on:
+        problems.append(("observability.hang_exit", "needs observability.hang_watchdog, which is off (nothing would "
+                                                    "notice the hang); turn the watchdog on or leave hang_exit off"))
     return problems
 
 
@@ -228,14 +226,17 @@ class HangWatchdog:
         dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
         if self.device.type != "cuda" or not enabled or dump is None:
             return ""
-        path = self.folder / f"nccl_trace_rank{self.rank}.pkl"
+        # hangs/nccl_trace/rank{R}: the layout PyTorch's analyzer reads (python -m
+        # torch.distributed.flight_recorder.fr_trace FOLDER: one file per rank, named PREFIX<rank>).
+        path = self.folder / "nccl_trace" / f"rank{self.rank}"
         outcome: list[str] = []
 
         def write() -> None:
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(dump())
                 outcome.append(f"; the NCCL flight recorder in {path}")
-            except Exception as e:
+            except Exception as e:  # whatever the recorder raises, the stacks and the line still come
                 outcome.append(f"; the NCCL flight recorder's dump failed: {one_line(e)}")
 
         worker = threading.Thread(target=write, name="hang-watchdog-nccl-dump", daemon=True)
