@@ -91,6 +91,9 @@ def validate_config(cfg: JobConfig, sources: ConfigSources, world_size: int) -> 
 
     c.report("eval", eval_problems(c.cfg.eval, c.cfg.parallelism))
     _check_rl(c, world_size)
+    from torchtitan.components.observability.hang_watchdog import config_problems as hang_problems
+
+    c.report("", hang_problems(c.cfg.observability, c.cfg.comm))
     _check_unsupported(c)
 
 

@@ -226,7 +226,7 @@ class Trainer:
         )
         # Every rank's step phases and memory, summarised each log step beside the planner's memory prediction.
         self.observer = RunObserver(cfg.observability, cfg.job.dump_folder, self.rank, self.device,
-                                    cfg.metrics.log_freq, self._planned_memory())
+                                    cfg.metrics.log_freq, self._planned_memory(), cfg.comm.train_timeout_seconds)
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
@@ -440,23 +440,26 @@ class Trainer:
                 self.checkpointer.poll()
                 saved = self.checkpointer.should_save(step, cfg.steps)
                 if saved:
-                    self.checkpointer.save(step, cfg.steps)
+                    with self.observer.paused():
+                        self.checkpointer.save(step, cfg.steps)
                 self.observer.mark("checkpoint")
-                self.metrics.log_ranks(step, self.observer.end_step(self.metrics.should_log(step, cfg.steps)))
+                self.metrics.log_ranks(step, self.observer.end_step(step, self.metrics.should_log(step, cfg.steps)))
                 if self.preemption.should_stop():
                     self._stop_for_preemption(step, saved)
                     return
                 if step == 1:
                     device_lib.set_collective_timeout(self.cfg.comm.train_timeout_seconds)
         finally:
+            self.observer.training_ended()
             gc.enable()
             profiler.close()
         logger.info(f"training finished after {cfg.steps} steps")
 
     def _stop_for_preemption(self, step: int, saved: bool) -> None:
-        if self.cfg.checkpoint.enable and not saved:
-            self.checkpointer.save(step, self.cfg.training.steps)
-        self.checkpointer.wait()
+        with self.observer.paused():
+            if self.cfg.checkpoint.enable and not saved:
+                self.checkpointer.save(step, self.cfg.training.steps)
+            self.checkpointer.wait()
         where = "a checkpoint is saved" if self.cfg.checkpoint.enable else "checkpointing is off, nothing saved"
         logger.warning(f"stopping after step {step} on {self.preemption.received or 'a peer rank signal'}: "
                        f"{where}; relaunch the same command to resume")
@@ -478,9 +481,11 @@ class Trainer:
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         self.observer.mark("logging")
         if self.validator is not None and self.validator.should_validate(step):
-            self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
+            with self.observer.paused():
+                self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
         if self.task_eval is not None and self.task_eval.should_run(step):
-            self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
+            with self.observer.paused():
+                self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
         self.observer.mark("evaluation")
 
     def close(self) -> None:

@@ -1,22 +1,27 @@
-"""What the trainer calls to see its run: a step's phases marked as they end, and at each log step every rank's
-phases and memory summarised (step_phases.py, rank_summary.py), next to the planner's memory prediction."""
+"""What the trainer calls to see its run: a step's phases marked as they end, at each log step every rank's phases
+and memory summarised (step_phases.py, rank_summary.py) next to the planner's memory prediction, and the hang
+watchdog told of every step and phase (hang_watchdog.py)."""
 
+import contextlib
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from torchtitan.components.observability.hang_watchdog import HangWatchdog
 from torchtitan.components.observability.rank_summary import RankSummary, memory_readings
-from torchtitan.components.observability.step_phases import StepPhases
+from torchtitan.components.observability.step_phases import PHASES, StepPhases
 from torchtitan.config.job_config import Observability
 from torchtitan.log import logger
 
 
 class RunObserver:
     def __init__(self, cfg: Observability, dump_folder: str, rank: int, device: torch.device, log_freq: int,
-                 planned_memory: dict[str, float] | None):
+                 planned_memory: dict[str, float] | None, train_timeout_seconds: float):
         """``planned_memory``: the planner's GiB per part and "total" for this config (None: it could not plan)."""
+        self.watchdog = HangWatchdog(cfg, train_timeout_seconds, dump_folder, rank, device)
+        self.step_start = None
         self.enabled = cfg.record_phases
         self.rank = rank
         self.device = device
@@ -35,20 +40,32 @@ class RunObserver:
                  "memory_gib": {k: round(v, 4) for k, v in planned_memory.items()}}, indent=1))
 
     def begin_step(self, step: int) -> None:
+        self.step_start = time.perf_counter()
         self.phases.begin(step)
+        self.watchdog.progress(phase=PHASES[0])
 
     def mark(self, phase: str) -> None:
         """The named phase of the running step ends now (step_phases.PHASES, in order)."""
         self.phases.mark(phase)
+        following = PHASES.index(phase) + 1
+        self.watchdog.progress(phase=PHASES[following] if following < len(PHASES) else "the step's end")
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Around work whose length is not a step's (validation, evaluation, checkpoint saves): the hang watchdog
+        neither fires inside nor counts it."""
+        return self.watchdog.paused()
 
     def abandon_step(self) -> None:
         self.phases.abandon()
 
-    def end_step(self, summarise: bool) -> dict:
+    def end_step(self, step: int, summarise: bool) -> dict:
         """Close the step; on a log step (``summarise``, the same on every rank) gather every rank's phases and
         memory and return rank 0's metrics for them (others: {})."""
-        if not self.enabled:
-            return {}
+        metrics = self._summary(summarise) if self.enabled else {}
+        self.watchdog.progress(step, time.perf_counter() - self.step_start)  # after the summary's collective
+        return metrics
+
+    def _summary(self, summarise: bool) -> dict:
         if not summarise:
             self.phases.end()
             return {}
@@ -67,7 +84,12 @@ class RunObserver:
             metrics["observability/overhead_pct"] = round(100 * own / max(steps, 1e-9), 4)
         return metrics
 
+    def training_ended(self) -> None:
+        """What follows training (the teardown, a test's checks) is not a step: the watchdog stops."""
+        self.watchdog.close()
+
     def close(self) -> None:
+        self.watchdog.close()
         try:
             self.phases.close()
         except OSError as e:  # the timeline is a by-product: its disk filling up must not hide the real exit

@@ -1,0 +1,303 @@
+"""The hang watchdog (observability.hang_watchdog): a daemon thread per rank that notices when training stopped
+making progress, and says where each rank is before the job is torn down.
+
+The trainer calls ``progress`` at every step's end (with the step's duration) and may call it at phase
+boundaries; each call restarts the clock. When no call came for the hang timeout, the thread
+- appends every thread's Python stack to ``{dump_folder}/hangs/rank{R}.txt``, the training thread's first, with
+  the last finished step, the seconds since the last progress and the phase last entered;
+- on CUDA with the NCCL flight recorder on (TORCH_NCCL_TRACE_BUFFER_SIZE > 0), writes its dump (a pickle) to
+  ``hangs/nccl_trace/rank{R}``;
+- logs one warning line naming where the training thread is;
+- with observability.hang_exit, ends the process with HANG_EXIT_CODE so torchrun tears the job down and a
+  scheduler may requeue it.
+It fires once per hang; a later progress call re-arms it.
+
+Arming: the first step compiles and warms up (its collectives run under comm.init_timeout_seconds), so nothing
+fires before a first step finished in this process. An explicit hang_timeout_seconds applies from then on; the
+automatic one (hang_timeout_seconds = 0) once three steps finished: 10x the median duration of the finished steps
+(the first left out), at least 30 s and at most 0.8x comm.train_timeout_seconds. It must stay below the collective
+timeout, which otherwise ends the job first, without stacks (config_problems checks the pair).
+
+Validation, task evaluation and checkpoint saves run inside ``paused()``: their length is not a step's, so the
+watchdog neither fires during them nor counts them; a hang there is left to the collective timeout. The trainer
+closes the watchdog when train() returns: the teardown after the last step is not a step either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import site
+import socket
+import statistics
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.job_config import Comm, Observability
+from torchtitan.log import logger, one_line
+
+HANG_EXIT_CODE = 3  # the process status with hang_exit (1: a training error, 2: bad input)
+AUTO_MULTIPLE = 10.0  # the automatic timeout: this many median steps ...
+AUTO_MIN_SECONDS = 30.0  # ... at least this long ...
+AUTO_MAX_FRACTION = 0.8  # ... and at most this fraction of comm.train_timeout_seconds
+AUTO_MIN_STEPS = 3  # steps finished before the automatic timeout arms
+POLL_SECONDS = 1.0  # how often the thread looks (how late past the timeout it may fire)
+NCCL_DUMP_WAIT_SECONDS = 5.0  # the flight recorder's dump takes its lock: never let it hold the exit up longer
+_DURATIONS_KEPT = 100  # the median is over the last this many steps
+
+
+def config_problems(observability: Observability, comm: Comm) -> list[tuple[str, str]]:
+    """Problems with the hang watchdog's settings as (full key, reason) pairs; they span [observability] and
+    [comm]."""
+    timeout, on = observability.hang_timeout_seconds, observability.hang_watchdog
+    key = "observability.hang_timeout_seconds"
+    problems = []
+    if not math.isfinite(timeout) or timeout < 0:
+        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, within [30 s, 0.8x "
+                              "comm.train_timeout_seconds])"))
+    elif on and timeout >= comm.train_timeout_seconds:
+        problems.append((key, f"is not below comm.train_timeout_seconds = {comm.train_timeout_seconds}: the "
+                              "collective timeout would end the job first, without stacks; lower it (0: automatic) "
+                              "or raise comm.train_timeout_seconds"))
+    elif not on and timeout != 0:
+        problems.append((key, "is set but observability.hang_watchdog is off, which would ignore it; turn the "
+                              "watchdog on or leave it at 0"))
+    if observability.hang_exit and not on:
+        problems.append(("observability.hang_exit", "needs observability.hang_watchdog, which is off (nothing would "
+                                                    "notice the hang); turn the watchdog on or leave hang_exit off"))
+    return problems
+
+
+def auto_timeout(step_seconds: list[float], train_timeout_seconds: float) -> float:
+    """The automatic hang timeout for steps of these durations; the cap wins over the floor, so a short collective
+    timeout still gets stacks first."""
+    wanted = max(AUTO_MULTIPLE * statistics.median(step_seconds), AUTO_MIN_SECONDS)
+    return min(wanted, AUTO_MAX_FRACTION * train_timeout_seconds)
+
+
+class HangWatchdog:
+    """See the module doc. ``clock`` and ``poll_seconds`` are for tests."""
+
+    def __init__(self, cfg: Observability, train_timeout_seconds: float, dump_folder: str, rank: int,
+                 device: torch.device, *, clock=time.monotonic, poll_seconds: float = POLL_SECONDS):
+        self.cfg = cfg
+        self.train_timeout_seconds = train_timeout_seconds
+        self.folder = Path(dump_folder) / "hangs"
+        self.rank = rank
+        self.device = device
+        self.clock = clock
+        self.fired = 0  # hangs reported since the start
+        self._lock = threading.Lock()
+        self._last = clock()  # when progress was last made
+        self._steps = 0  # steps finished in this process
+        self._step: int | None = None  # the last finished step's number
+        self._phase: str | None = None
+        self._durations: deque[float] = deque(maxlen=_DURATIONS_KEPT)
+        self._paused = 0
+        self._reported = False  # the current hang has been reported
+        # The thread whose stack matters most: the one training (the trainer builds the watchdog there).
+        self._watched = threading.get_ident()
+        self._stop = threading.Event()
+        self._thread = None
+        if cfg.hang_watchdog:
+            self._thread = threading.Thread(target=self._run, args=(poll_seconds,), name="hang-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def progress(self, step: int | None = None, step_seconds: float | None = None, phase: str | None = None) -> None:
+        """Training moved on: at a phase boundary (``phase``: the phase entered) or at a step's end (``step``: its
+        number; ``step_seconds``: its duration, which the automatic timeout is the median of)."""
+        with self._lock:
+            self._last = self.clock()
+            self._reported = False
+            if step is not None:
+                self._steps += 1
+                self._step = step
+                self._phase = None  # a step's end: no phase of the next step entered yet
+                if step_seconds is not None and self._steps > 1:  # the first step warms up
+                    self._durations.append(step_seconds)
+            if phase is not None:
+                self._phase = phase
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Work whose length is not a step's (validation, evaluation, checkpoint saves): no firing inside, and
+        its time does not count towards the timeout."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+                self._last = self.clock()
+
+    def timeout(self) -> float | None:
+        """Seconds without progress that count as a hang; None while not armed."""
+        if self._steps < 1:
+            return None
+        if self.cfg.hang_timeout_seconds > 0:
+            return self.cfg.hang_timeout_seconds
+        if self._steps < AUTO_MIN_STEPS or not self._durations:
+            return None
+        return auto_timeout(list(self._durations), self.train_timeout_seconds)
+
+    def check(self) -> bool:
+        """Report a hang if there is one not yet reported; whether it did (the thread calls this)."""
+        with self._lock:
+            timeout = self.timeout()
+            idle = self.clock() - self._last
+            if self._reported or self._paused or timeout is None or idle < timeout or self._stop.is_set():
+                return False
+            self._reported = True
+            step, phase = self._step, self._phase
+        self.fired += 1
+        self._report(step, phase, idle, timeout)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, poll_seconds: float) -> None:
+        while not self._stop.wait(poll_seconds):
+            try:
+                self.check()
+            except Exception as e:  # a watchdog that died silently would be worse than one that says so
+                logger.warning(f"the hang watchdog stopped: {one_line(e)}")
+                return
+
+    def _report(self, step: int | None, phase: str | None, idle: float, timeout: float) -> None:
+        after = f"after step {step}" + (f", in phase {phase}" if phase else "")
+        stacks = self.folder / f"rank{self.rank}.txt"
+        try:
+            where = self._write_stacks(stacks, f"no progress for {idle:.1f} s (timeout {timeout:g} s) {after}")
+            wrote = f"every thread's stack in {stacks}"
+        except Exception as e:  # the line below must still say what is known
+            where, wrote = "an unknown place", f"writing {stacks} failed: {one_line(e)}"
+        nccl = self._dump_flight_recorder()
+        ending = f"; ending the process (exit code {HANG_EXIT_CODE})" if self.cfg.hang_exit else ""
+        logger.warning(f"hang: rank {self.rank} made no progress for {idle:.1f} s (timeout {timeout:g} s) {after}; "
+                       f"the training thread is at {where}; {wrote}{nccl}{ending}")
+        if self.cfg.hang_exit:
+            _flush_output()
+            # The training thread is stuck, possibly inside C++: only ending the process from here works.
+            os._exit(HANG_EXIT_CODE)
+
+    def _write_stacks(self, path: Path, headline: str) -> str:
+        """Append every thread's stack to ``path``; return where the training thread is."""
+        frames = sys._current_frames()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        own = threading.get_ident()
+        order = sorted((ident for ident in frames if ident != own), key=lambda ident: ident != self._watched)
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        lines = [f"=== hang watchdog: rank {self.rank}, host {socket.gethostname()}, pid {os.getpid()}, {when}",
+                 headline, "(each stack runs from the outermost call to the innermost)"]
+        where = "no Python frame"
+        for ident in order:
+            stack = traceback.extract_stack(frames[ident])
+            role = "training thread" if ident == self._watched else "thread"
+            lines.append(f"\n--- {role} {names.get(ident, '?')} (id {ident})")
+            lines.extend(line.rstrip("\n") for line in traceback.format_list(stack))
+            if ident == self._watched:
+                where = describe_position(stack)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # a second hang (or a relaunch's) keeps the first one's stacks
+            f.write("\n".join(lines) + "\n\n")
+        return where
+
+    def _dump_flight_recorder(self) -> str:
+        """The NCCL flight recorder's dump, where there is one: a clause for the log line ("" if none)."""
+        try:
+            enabled = int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) > 0
+        except ValueError:
+            enabled = False
+        dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+        if self.device.type != "cuda" or not enabled or dump is None:
+            return ""
+        # hangs/nccl_trace/rank{R}: the layout PyTorch's analyzer reads (python -m
+        # torch.distributed.flight_recorder.fr_trace FOLDER: one file per rank, named PREFIX<rank>).
+        path = self.folder / "nccl_trace" / f"rank{self.rank}"
+        outcome: list[str] = []
+
+        def write() -> None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(dump())
+                outcome.append(f"; the NCCL flight recorder in {path}")
+            except Exception as e:  # whatever the recorder raises, the stacks and the line still come
+                outcome.append(f"; the NCCL flight recorder's dump failed: {one_line(e)}")
+
+        worker = threading.Thread(target=write, name="hang-watchdog-nccl-dump", daemon=True)
+        worker.start()
+        worker.join(NCCL_DUMP_WAIT_SECONDS)
+        return outcome[0] if outcome else f"; the NCCL flight recorder's dump did not finish in " \
+                                          f"{NCCL_DUMP_WAIT_SECONDS:g} s"
+
+
+def describe_position(stack: traceback.StackSummary) -> str:
+    """Where a stack is: its innermost frame (the innermost torch.distributed one, the collective waited in, when
+    there is one below the run's code: the dispatcher under it says nothing) and, when that is library code
+    (torch, Python's own), the innermost frame of the run's code (torchtitan, a custom_import module), e.g. the
+    trainer's line that called the collective."""
+    if not stack:
+        return "no Python frame"
+    ours = next((i for i in reversed(range(len(stack))) if _is_run_code(stack[i].filename)), None)
+    below = stack[ours + 1:] if ours is not None else stack
+    collective = next((f for f in reversed(below) if _is_collective(f.filename)), None)
+    where = _frame(collective or stack[-1])
+    if ours is not None and ours != len(stack) - 1:
+        where += f", called from {_frame(stack[ours])}"
+    return where
+
+
+_PACKAGE = Path(__file__).resolve().parents[2]
+_LIBRARIES = {Path(p).resolve() for p in [*(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib",
+                                                                                  "platlib")),
+                                          *site.getsitepackages(), site.getusersitepackages()]}
+
+
+def _is_run_code(filename: str) -> bool:
+    if filename.startswith("<"):  # <frozen ...>, <string>: the interpreter's
+        return False
+    path = Path(filename).resolve()
+    return path.is_relative_to(_PACKAGE) or not any(path.is_relative_to(lib) for lib in _LIBRARIES)
+
+
+def _is_collective(filename: str) -> bool:
+    return "/torch/distributed/" in Path(filename).as_posix()
+
+
+def _frame(frame: traceback.FrameSummary) -> str:
+    return f"{_short_path(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def _short_path(filename: str) -> str:
+    """The file as its import path shows it (torch/distributed/..., torchtitan/..., tests/...), not the
+    install's absolute path."""
+    path = Path(filename).resolve()
+    roots = sorted((Path(p).resolve() for p in sys.path if p), key=lambda p: len(p.parts), reverse=True)
+    for root in roots:
+        if path.is_relative_to(root) and path != root:
+            return str(path.relative_to(root))
+    return filename
+
+
+def _flush_output() -> None:
+    for handler in [*logger.handlers, *logging.getLogger().handlers]:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
