@@ -44,7 +44,7 @@ def assert_positions(dump: Path, out: str) -> None:
     hung = training_thread(dump / "hangs" / "rank1.txt")
     assert hung.startswith("training thread MainThread")
     assert hung.rstrip().endswith("time.sleep(3600)  # THE HANG") and "in sleep_forever_on_purpose" in hung, hung
-    assert re.search(rf"rank 1 made no progress for [\d.]+ s \(timeout {TIMEOUT} s\) after step 2; the training "
+    assert re.search(rf"rank 1 made no progress for [\d.]+ s \(timeout {TIMEOUT} s\) after step 2, in phase data; the training "
                      rf"thread is at {re.escape(sleeping)};", out), out[-5000:]
     # Rank 0 went on into step 3 and waits for rank 1 in the step's first collective (the all-reduce of the
     # step's token count, which completes on first use).
@@ -53,7 +53,8 @@ def assert_positions(dump: Path, out: str) -> None:
     innermost_collective = [f for f in frames if "/torch/distributed/" in f[0]][-1]
     assert innermost_collective[2] == "wait_tensor", frames[-4:]
     assert any(f[0].endswith("torchtitan/train.py") and f[2] == "train_step" for f in frames)
-    line = re.search(r"rank 0 made no progress for [\d.]+ s \(timeout \d+ s\) after step 2; the training thread is "
+    line = re.search(r"rank 0 made no progress for [\d.]+ s \(timeout \d+ s\) after step 2, in phase forward_backward; the "
+                     r"training thread is "
                      r"at (.*?); every", out)
     assert line, out[-5000:]
     assert re.fullmatch(r"torch/distributed/_functional_collectives\.py:\d+ in wait_tensor, called from "
