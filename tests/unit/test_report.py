@@ -374,3 +374,52 @@ def test_reports_replace_their_own_files_and_never_another(tmp_path):
     assert_one_line_error(report_script.main, [str(tmp_path), "--out", str(foreign / "new.html"), "--png_dir",
                                                str(foreign / "pngs")], "--png_dir", "loss.png", unchanged=before)
     assert_one_line_error(report_script.main, [str(tmp_path)], "edited since", unchanged=before)
+
+
+@pytest.mark.parametrize("steps, ranks, cells", [(1000, 2, None), (450, 20, 2000)])
+def test_long_runs_draw_an_even_sample_of_steps_in_their_heatmaps_with_the_values_of_those_steps(
+        tmp_path, monkeypatch, steps, ranks, cells):
+    from torchtitan.report import figures
+    from torchtitan.report.figures import MAX_COLUMNS, make_plots
+
+    if cells:  # many ranks: fewer steps, the cells of the heatmap bounded
+        monkeypatch.setattr(figures, "MAX_CELLS", cells)
+    rng = random.Random(steps)
+    write_jsonl(tmp_path / "metrics.jsonl", [training_row(s, rng) for s in range(1, steps + 1, 50)])
+    totals = {}
+    for rank in range(ranks):
+        rows = [{"step": s, "rank": rank, "total_s": rng.random(), "phases": {"data": 0.1}} for s in range(1, steps + 1)]
+        totals[rank] = {r["step"]: r["total_s"] for r in rows}
+        write_jsonl(tmp_path / "timeline" / f"rank{rank}.jsonl", rows)
+    plots, _ = make_plots(read_run(tmp_path))
+    data = next(p.data for p in plots if p.name == "rank_step_time")
+    assert len(data["x"]) == min(MAX_COLUMNS, figures.MAX_CELLS // ranks) and data["x"][0] == 1
+    assert data["x"][-1] == steps and data["steps_in_run"] == steps
+    steps_apart = {b - a for a, b in zip(data["x"], data["x"][1:])}
+    assert max(steps_apart) - min(steps_apart) <= 1  # evenly spaced
+    assert all(series(data, f"rank{rank}") == {s: totals[rank][s] for s in data["x"]} for rank in range(ranks))
+    assert len(next(p.data for p in plots if p.name == "phases")["x"]) == MAX_COLUMNS
+
+
+@pytest.mark.parametrize("layers, lines", [(3, ["max_over_mean", "layer0", "layer1", "layer2"]),
+                                           (12, ["max_over_mean", "busiest layer"])])
+def test_moe_balance_draws_each_layer_or_for_many_layers_the_busiest(tmp_path, layers, lines):
+    from torchtitan.report.figures import make_plots
+
+    rng = random.Random(layers)
+    rows = []
+    for step in (1, 2, 3):
+        moe = {"moe/max_over_mean": rng.uniform(1, 2)}
+        for layer in range(layers):
+            moe[f"moe/layer{layer}/max_tokens"] = rng.uniform(20, 40)
+            moe[f"moe/layer{layer}/mean_tokens"] = 16.0
+        rows.append(training_row(step, rng, **moe))
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    plots, _ = make_plots(read_run(tmp_path))
+    data = next(p.data for p in plots if p.name == "moe_balance")
+    assert list(data["series"]) == lines
+    ratios = [[r[f"moe/layer{layer}/max_tokens"] / 16.0 for layer in range(layers)] for r in rows]
+    if layers > 8:
+        assert data["series"]["busiest layer"] == [max(step) for step in ratios]
+    else:
+        assert data["series"]["layer1"] == [step[1] for step in ratios]

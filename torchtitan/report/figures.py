@@ -18,8 +18,12 @@ from torchtitan.report.run_folder import Run
 
 # Written into every PNG's metadata (the "Software" text chunk): how the script knows a PNG it may replace.
 PNG_SOFTWARE = "torchtitan scripts/report.py"
-# Heatmaps and the phase breakdown draw at most this many steps (evenly spaced, first and last kept).
+# Heatmaps and the phase breakdown draw at most this many steps (evenly spaced, first and last kept), and a heatmap
+# at most about this many cells (a model of 58 x 256 experts gets fewer steps): the page embeds every value drawn.
 MAX_COLUMNS = 400
+MAX_CELLS = 250_000
+# Per-layer lines of the MoE balance up to this many layers; beyond, the busiest layer's and the mean.
+MAX_LAYER_LINES = 8
 # Memory per rank is drawn as one line per rank up to this many ranks; beyond, the min/max over ranks only.
 MAX_RANK_LINES = 16
 # The timeline's phases in step order (others a run records follow, by name).
@@ -94,17 +98,20 @@ def _aligned(columns: dict[str, dict[int, object]]) -> dict:
 
 
 def _thin(data: dict, limit: int = MAX_COLUMNS) -> dict:
-    """``data`` cut to at most ``limit`` steps, evenly spaced (first and last kept); "every" says the stride."""
+    """``data`` cut to at most ``limit`` steps (fewer when its rows times the steps pass MAX_CELLS), evenly spaced
+    (first and last kept); "steps_in_run" says how many there were."""
     n = len(data["x"])
+    limit = max(10, min(limit, MAX_CELLS // max(1, len(data["series"]))))
     if n <= limit:
         return data
     keep = sorted({round(i * (n - 1) / (limit - 1)) for i in range(limit)})
-    return {**data, "x": [data["x"][i] for i in keep], "every": round((n - 1) / (limit - 1), 2),
+    return {**data, "x": [data["x"][i] for i in keep], "steps_in_run": n,
             "series": {name: [values[i] for i in keep] for name, values in data["series"].items()}}
 
 
 def _thinned_note(data: dict) -> str:
-    return f" Every {data['every']:g}th step of the run is drawn." if "every" in data else ""
+    return (f" {len(data['x'])} of the run's {data['steps_in_run']} steps are drawn, evenly spaced."
+            if "steps_in_run" in data else "")
 
 
 # ----- drawing -----
@@ -126,8 +133,14 @@ def _finish(ax, ylabel: str, legend: bool = True) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if legend and ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small", loc="best")
+    if legend:
+        _legend(ax, ax.get_legend_handles_labels()[0])
+
+
+def _legend(ax, handles: list) -> None:
+    """Beside the plot, not over its lines; none for a single line (the title names it)."""
+    if len(handles) > 1:
+        ax.figure.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="outside right upper")
 
 
 def _line_plot(ylabel: str, log: bool = False) -> Callable:
@@ -154,11 +167,15 @@ def _heatmap(figure, data: dict, ylabel: str, colorbar: str, row_labels: list[st
     steps = data["x"]
     ticks = sorted({round(i * (len(steps) - 1) / 7) for i in range(8)}) if len(steps) > 8 else range(len(steps))
     ax.set_xticks(list(ticks), [str(steps[i]) for i in ticks])
-    if len(row_labels) <= 16 or not groups:
+    if len(row_labels) <= 16:
         ax.set_yticks(range(len(row_labels)), row_labels, fontsize="small" if len(row_labels) > 12 else None)
+    elif groups:
+        shown = groups[:: -(-len(groups) // 16)]  # at most 16 group labels
+        ax.set_yticks([first for first, _ in shown], [label for _, label in shown], fontsize="small")
     else:
-        ax.set_yticks([first for first, _ in groups], [label for _, label in groups], fontsize="small")
-    for first, _ in groups[1:] if groups else ():
+        rows = sorted({round(i * (len(row_labels) - 1) / 7) for i in range(8)})
+        ax.set_yticks(rows, [row_labels[i] for i in rows])
+    for first, _ in groups[1:] if 1 < len(groups) <= 16 else ():  # more lines would hide the rows
         ax.axhline(first - 0.5, color="white", linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -207,8 +224,7 @@ def _throughput(run: Run, notes: list[str]) -> _Draft | str:
             right = ax.twinx()
             _lines(right, data, ["mfu"], color="tab:orange")
             right.set_ylabel("MFU (%)")
-            handles = [h for a in (ax, right) for h in a.get_legend_handles_labels()[0]]
-            right.legend(handles, [h.get_label() for h in handles], fontsize="small", loc="best")
+            _legend(ax, [h for a in (ax, right) for h in a.get_legend_handles_labels()[0]])
     return _Draft("throughput", "Throughput", "Tokens per second per rank (left) and model FLOP utilisation "
                                               "(right), each averaged since the previous log step.", data, draw)
 
@@ -303,7 +319,7 @@ def _phases(run: Run, notes: list[str]) -> _Draft | str:
     def draw(figure, data):
         ax = figure.add_subplot()
         stacks = [[0.0 if v is None else v for v in values] for values in data["series"].values()]
-        ax.stackplot(data["x"], stacks, labels=list(data["series"]), step="mid" if len(data["x"]) < 3 else None)
+        ax.stackplot(data["x"], stacks, labels=list(data["series"]))
         _finish(ax, "seconds")
     return _Draft("phases", "Where the median rank's step went", "The phases of the rank whose step time is the "
                   "median at each step, stacked." + _thinned_note(data), data, draw)
@@ -318,17 +334,22 @@ def _moe_layers(run: Run, stat: str) -> list[int]:
 
 
 def _moe_balance(run: Run, notes: list[str]) -> _Draft | str:
-    columns = {"max_over_mean": _column(run.training, "moe/max_over_mean")}
+    layers = {}
     for layer in _moe_layers(run, "max_tokens"):
         busiest, mean = (_column(run.training, f"moe/layer{layer}/{s}") for s in ("max_tokens", "mean_tokens"))
-        columns[f"layer{layer}"] = {step: busiest[step] / mean[step] for step in busiest
-                                    if busiest[step] is not None and mean.get(step)}
-    data = _aligned(columns)
+        layers[f"layer{layer}"] = {step: busiest[step] / mean[step] for step in busiest
+                                   if busiest[step] is not None and mean.get(step)}
+    if len(layers) > MAX_LAYER_LINES:
+        steps = sorted({step for column in layers.values() for step in column})
+        layers = {"busiest layer": {step: max(c[step] for c in layers.values() if step in c) for step in steps}}
+        caption = "over the MoE layers: the mean (max_over_mean) and the busiest layer's"
+    else:
+        caption = "per MoE layer and averaged over the layers (max_over_mean)"
+    data = _aligned({"max_over_mean": _column(run.training, "moe/max_over_mean"), **layers})
     if not data["series"]:
         return "MoE balance: no moe/ keys in the training rows (a dense model)"
-    return _Draft("moe_balance", "MoE expert balance", "The busiest expert's tokens over the mean, per MoE layer "
-                  "and averaged over the layers (max_over_mean); 1 is perfect balance.", data,
-                  _line_plot("busiest / mean"))
+    return _Draft("moe_balance", "MoE expert balance", f"The busiest expert's tokens over the mean, {caption}; 1 is "
+                  "perfect balance.", data, _line_plot("busiest / mean"))
 
 
 def _expert_load(run: Run, notes: list[str]) -> _Draft | str:

@@ -47,11 +47,12 @@ def write_report(folder: str | Path, html: str | Path | None = None, png_dir: st
     folder = Path(folder)
     html = Path(html) if html is not None else folder / "report.html"
     png_dir = Path(png_dir) if png_dir is not None else default_png_dir(html)
+    _check_outputs(html, png_dir, trace_path(html))  # before the work, so a bad path is answered at once
     run = read_run(folder)
     plots, notes = make_plots(run)
     trace = trace_path(html) if run.traces else None
     pngs = {png_dir / f"{plot.name}.png": plot.png for plot in plots}
-    stale = _check_outputs(html, png_dir, pngs, trace_path(html))
+    stale = _check_pngs(png_dir, pngs)
     try:
         png_dir.mkdir(parents=True, exist_ok=True)
         for path, data in pngs.items():
@@ -70,20 +71,24 @@ def write_report(folder: str | Path, html: str | Path | None = None, png_dir: st
     return Report(html, png_dir, trace, plots, notes, run.problems)
 
 
-def _check_outputs(html: Path, png_dir: Path, pngs: dict[Path, bytes], trace: Path) -> list[Path]:
-    """Raise OutputError for an output path holding something this script did not write; return the PNGs of an
-    earlier report that this one has no plot for."""
+def _check_outputs(html: Path, png_dir: Path, trace: Path) -> None:
+    """Raise OutputError for an output path holding something this script did not write."""
     if problem := file_problem(html, MARKER):
         raise OutputError(f"--out {html} {problem}")
     if png_dir.exists() and not png_dir.is_dir():
         raise OutputError(f"--png_dir {png_dir} is a file; give a folder (new, or one this script wrote)")
+    if trace.exists() and not _is_our_trace(trace):
+        raise OutputError(f"{trace} (the merged trace beside --out) exists and was not written by this script; give "
+                          "another --out (or remove it first)")
+
+
+def _check_pngs(png_dir: Path, pngs: dict[Path, bytes]) -> list[Path]:
+    """Raise OutputError for a PNG to write that this script did not write; return the PNGs of an earlier report
+    that this one has no plot for."""
     for path in pngs:
         if path.exists() and not _is_our_png(path):
             raise OutputError(f"--png_dir {png_dir} holds {path.name}, which this script did not write; give another "
                               "folder (or remove it first)")
-    if trace.exists() and not _is_our_trace(trace):
-        raise OutputError(f"{trace} (the merged trace beside --out) exists and was not written by this script; give "
-                          "another --out (or remove it first)")
     return sorted(p for p in png_dir.glob("*.png") if p not in pngs and _is_our_png(p)) if png_dir.is_dir() else []
 
 
