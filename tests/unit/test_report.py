@@ -110,7 +110,7 @@ def test_every_plot_draws_the_run_folders_values(tmp_path, seed, ranks):
     assert sorted(data) == sorted(["loss", "learning_rate", "grad_norm", "throughput", "step_time", "memory",
                                    "rank_step_time", "phases", "moe_balance", "expert_load", "evaluation",
                                    "rl_rewards"])
-    assert f'<img class="plot"' in html and html.count('<img class="plot"') == 12
+    assert '<img class="plot"' in html and html.count('<img class="plot"') == 12
     training = written["training"]
 
     def column(key, rows=training):

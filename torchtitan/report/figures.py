@@ -313,7 +313,7 @@ def _phases(run: Run, notes: list[str]) -> _Draft | str:
     names = [n for n in PHASES if n in names] + sorted(names - set(PHASES))
     if not names:
         return "phase breakdown: the timeline rows have no phases"
-    data = _thin({"x": steps, "rank": [row["rank"] if "rank" in row else None for row in chosen],
+    data = _thin({"x": steps, "rank": [row.get("rank") for row in chosen],
                   "series": {name: [_value((row.get("phases") or {}).get(name)) for row in chosen] for name in names}})
 
     def draw(figure, data):
