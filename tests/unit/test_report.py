@@ -239,6 +239,26 @@ def test_relaunches_appending_are_one_warning_each_and_the_later_row_of_a_step_w
     assert problems_of(tmp_path) == expected
 
 
+@pytest.mark.parametrize("resume_from, expected", [
+    (2, "metrics.jsonl:7: training and validation rows of step 2-4 logged again (a relaunch resuming from an earlier "
+        "step?); the later rows are used"),
+    (4, "metrics.jsonl:7: training and validation rows of step 4 logged again (a relaunch resuming from an earlier "
+        "step?); the later rows are used"),
+])
+def test_a_relaunch_repeating_training_and_validation_rows_is_one_warning(tmp_path, resume_from, expected):
+    rng = random.Random(14)
+    rows = []
+    for launch in (range(1, 5), range(resume_from, 7)):
+        for step in launch:
+            rows.append(training_row(step, rng))
+            if step % 2 == 0:
+                rows.append({"step": step, "val_loss": rng.random()})
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    run = read_run(tmp_path)
+    assert run.validation == [[r for r in rows if r.get("val_loss") and r["step"] == s][-1] for s in (2, 4, 6)]
+    assert problems_of(tmp_path) == [expected]
+
+
 @pytest.mark.parametrize("order, expected", [
     ([1, 2, 5, 3, 4, 6], "metrics.jsonl:4: training rows of step 3-4 come after later steps (out of order); sorted "
                          "by step"),

@@ -54,6 +54,7 @@ def write_report(folder: str | Path, html: str | Path | None = None, png_dir: st
     pngs = {png_dir / f"{plot.name}.png": plot.png for plot in plots}
     stale = _check_pngs(png_dir, pngs)
     try:
+        html.parent.mkdir(parents=True, exist_ok=True)
         png_dir.mkdir(parents=True, exist_ok=True)
         for path, data in pngs.items():
             _write(path, data)

@@ -72,19 +72,18 @@ def read_run(folder: str | Path) -> Run:
     run = Run(folder)
     problems = run.problems
     entries = _read_jsonl(folder, [METRICS_FILE], problems)
-    kinds = {"training": [], "validation": [], "evaluation": []}
+    kinds = []  # (kind, entry) in file order
     for entry in entries:
         matched = _kinds_of(entry.row)
         if not matched:
             keys = ", ".join(sorted(entry.row)[:6]) or "none"
             problems.append(Problem(entry.file, entry.line, f"neither a training, validation nor eval row (keys: "
                                                             f"{keys}); skipped"))
-        for kind in matched:
-            kinds[kind].append(entry)
-    _check_training_keys(kinds["training"], problems)
-    run.training = _one_per_step(kinds["training"], "training", problems)
-    run.validation = _one_per_step(kinds["validation"], "validation", problems)
-    run.evaluation = _one_per_step(kinds["evaluation"], "eval", problems)
+        kinds += [(kind, entry) for kind in matched]
+    _check_training_keys([entry for kind, entry in kinds if kind == "training"], problems)
+    by_kind = _one_per_step(kinds, problems)
+    run.training, run.validation, run.evaluation = (by_kind.get(kind, []) for kind in ("training", "validation",
+                                                                                        "eval"))
     _read_timeline(folder, run)
     run.config = _read_config(folder, problems)
     # In reading order: by file, then line (a file's own problems first).
@@ -99,7 +98,7 @@ def _kinds_of(row: dict) -> list[str]:
     if any(key.startswith("val_") for key in row):
         kinds.append("validation")
     if any(key.startswith("eval/") for key in row):
-        kinds.append("evaluation")
+        kinds.append("eval")
     return kinds
 
 
@@ -201,34 +200,36 @@ def _check_training_keys(entries: list[_Entry], problems: list[Problem]) -> None
                                                     "other values are used"))
 
 
-def _one_per_step(entries: list[_Entry], kind: str, problems: list[Problem]) -> list[dict]:
-    """The rows by step, the later of two rows of a step winning, with one problem per run of consecutive rows
-    that went back: steps logged again (a relaunch resuming from an earlier step) or out of order."""
-    latest: dict[int, dict] = {}
-    highest = None
-    group: dict | None = None  # the run of rows going back now: file, line, steps, repeated
-    for entry in entries:
-        step = entry.row["step"]
-        back = highest is not None and step <= highest
-        repeated = step in latest
+def _one_per_step(entries: list[tuple[str, _Entry]], problems: list[Problem]) -> dict[str, list[dict]]:
+    """{kind: its rows by step} from (kind, entry) pairs in file order, the later of two rows of a kind and step
+    winning, with one problem per run of consecutive rows that went back (whatever their kinds): steps logged
+    again (a relaunch resuming from an earlier step) or out of order."""
+    latest: dict[str, dict[int, dict]] = {}
+    highest: dict[str, int] = {}
+    group: dict | None = None  # the run of rows going back now: file, line, kinds, steps, repeated
+    for kind, entry in entries:
+        step, rows = entry.row["step"], latest.setdefault(kind, {})
+        back = kind in highest and step <= highest[kind]
+        repeated = step in rows
         if back and group and group["file"] == entry.file and group["repeated"] == repeated:
             group["steps"].append(step)
+            group["kinds"].setdefault(kind)
         else:
-            _report_group(group, kind, problems)
-            group = {"file": entry.file, "line": entry.line, "steps": [step], "repeated": repeated} if back else None
-        latest[step] = entry.row
-        highest = step if highest is None else max(highest, step)
-    _report_group(group, kind, problems)
-    return [latest[step] for step in sorted(latest)]
+            _report_group(group, problems)
+            group = {"file": entry.file, "line": entry.line, "kinds": {kind: None}, "steps": [step],
+                     "repeated": repeated} if back else None
+        rows[step] = entry.row
+        highest[kind] = max(highest.get(kind, step), step)
+    _report_group(group, problems)
+    return {kind: [rows[step] for step in sorted(rows)] for kind, rows in latest.items()}
 
 
-def _report_group(group: dict | None, kind: str, problems: list[Problem]) -> None:
+def _report_group(group: dict | None, problems: list[Problem]) -> None:
     if group is None:
         return
-    steps = group["steps"]
-    what = (f"{kind} rows of step {_span(steps)} logged again (a relaunch resuming from an earlier step?); the "
-            "later rows are used" if group["repeated"] else
-            f"{kind} rows of step {_span(steps)} come after later steps (out of order); sorted by step")
+    rows = f"{' and '.join(group['kinds'])} rows of step {_span(group['steps'])}"
+    what = (f"{rows} logged again (a relaunch resuming from an earlier step?); the later rows are used"
+            if group["repeated"] else f"{rows} come after later steps (out of order); sorted by step")
     problems.append(Problem(group["file"], group["line"], what))
 
 
@@ -267,9 +268,9 @@ def _read_timeline(folder: Path, run: Run) -> None:
                 usable.append(entry)
             else:
                 problems.append(Problem(entry.file, entry.line, "no total_s number; the row is skipped"))
-        rows = _one_per_step(usable, f"rank {rank}", problems)
+        rows = _one_per_step([(f"rank {rank}", entry) for entry in usable], problems)
         if rows:
-            run.timeline[rank] = rows
+            run.timeline[rank] = rows[f"rank {rank}"]
     world = max([*files, *(_trace_ranks(timeline))], default=-1) + 1
     planned = run.plan.get("world_size") if run.plan else None
     if _is_number(planned):
