@@ -224,12 +224,16 @@ def test_loads_bias_updates_and_aux_loss_reach_the_console_jsonl_and_tensorboard
         assert row["moe/layer2/max_tokens"] == load[2].max().item()
         busiest = load[2].max().item() / load[2].sum().item()
         assert row["moe/layer2/busiest_fraction"] == pytest.approx(busiest, abs=1e-6)
+        for layer in range(N_LAYERS):  # every expert's share of each layer's routed tokens
+            shares = (load[layer] / load[layer].sum()).tolist()
+            assert row[f"moe/layer{layer}/expert_fractions"] == pytest.approx(shares, abs=1e-6)
         assert 0 < row["moe/aux_loss"] < 1
     assert "moe_load: " in caplog.text and "moe_aux: " in caplog.text
     acc = EventAccumulator(str(next((tmp_path / "tb" / "rank0").glob("events.out.tfevents.*"))))
     acc.Reload()
     assert [e.value for e in acc.Scalars("moe/max_over_mean")] == pytest.approx([r["moe/max_over_mean"] for r in rows])
     assert "moe/layer3/busiest_fraction" in acc.Tags()["scalars"]
+    assert not any("expert_fractions" in tag for tag in acc.Tags()["scalars"])  # lists stay out of TensorBoard
 
 
 def test_aux_loss_under_gradient_accumulation_equals_one_large_batch(tmp_path):

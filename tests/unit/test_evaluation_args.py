@@ -74,7 +74,7 @@ def test_generate_refuses_a_number_out_of_range_while_parsing(flags, valid, caps
 
 
 SCRIPTS = ["convert_from_hf", "convert_to_hf", "download_hf_assets", "evaluate", "generate", "generate_config",
-           "gpu_check", "plan", "rl_eval", "tokenize_dataset", "train_tokenizer"]
+           "gpu_check", "plan", "report", "rl_eval", "tokenize_dataset", "train_tokenizer"]
 NOT_SCRIPTS = {"gpu_check_parts"}  # the GPU check's parts, a module of gpu_check.py
 
 

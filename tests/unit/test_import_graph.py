@@ -92,11 +92,11 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("components", ("torchtitan.components", "torchtitan.generation", "torchtitan.rl")),
     # What users run: the trainer, the planner, the config pre-check (and `python -m torchtitan.config`, its
     # command, which lives in the schema's package), inference, evaluation, the scripts' argument
-    # helpers (--device; numbers and one-line errors), and the package root (torchtitan.load_model, deferred, so
-    # importing a module pulls in nothing).
+    # helpers (--device; numbers and one-line errors), the run report (scripts/report.py's reading, plots and page),
+    # and the package root (torchtitan.load_model, deferred, so importing a module pulls in nothing).
     ("entry points", ("torchtitan", "torchtitan.train", "torchtitan.planner", "torchtitan.config_check",
                       "torchtitan.config.__main__", "torchtitan.inference", "torchtitan.evaluation",
-                      "torchtitan.device_arg", "torchtitan.script_args")),
+                      "torchtitan.device_arg", "torchtitan.script_args", "torchtitan.report")),
 ]
 # (importer, imported) pairs allowed to run up the floors, each with its reason. None today.
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}

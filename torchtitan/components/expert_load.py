@@ -314,7 +314,8 @@ class ExpertLoadBalancer:
     @torch.no_grad()
     def metrics(self) -> dict[str, float]:
         """Per-layer loads of the last step (max and mean tokens per expert, the busiest expert's share of the
-        routed tokens) and their summary, plus the last step's auxiliary loss; every rank calls it."""
+        routed tokens, every expert's share) and their summary, plus the last step's auxiliary loss; every rank
+        calls it."""
         counts = sum_now(self.counts, self.pp_mesh).float()
         row = {}
         ratios = []
@@ -324,6 +325,9 @@ class ExpertLoadBalancer:
             row[f"moe/layer{layer_id}/max_tokens"] = busiest
             row[f"moe/layer{layer_id}/mean_tokens"] = mean
             row[f"moe/layer{layer_id}/busiest_fraction"] = round(busiest / load.sum().item(), 6)
+            # One list per layer, not a key per expert: a large model has thousands of experts in all, which as
+            # scalars would swell every row and TensorBoard (which skips lists); the report draws them as a heatmap.
+            row[f"moe/layer{layer_id}/expert_fractions"] = [round(x, 6) for x in (load / load.sum()).tolist()]
             ratios.append(busiest / mean)
         summary = {"moe/max_over_mean": round(sum(ratios) / len(ratios), 4)} if ratios else {}
         if self.cfg.aux_loss_coeff > 0:
