@@ -13,7 +13,7 @@ import pytest
 
 from scripts import report as report_script
 from tests.bad_input import assert_one_line_error, run_entry_point, snapshot
-from torchtitan.report.run_folder import read_run
+from torchtitan.report.run_folder import RANKS_PREFIXES, read_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PHASES = ("data", "forward_backward", "grad_comm", "optimizer", "logging", "evaluation", "checkpoint")
@@ -61,7 +61,10 @@ def full_run(folder: Path, seed: int, steps: int = 6, ranks: int = 2, experts: i
                   for s in (3, 6)]
     rows = []
     for row in training:
-        rows.append(row)
+        # As the trainer writes them: the training row, then the ranks row of the same step (phase/*, memory/*).
+        ranks_keys = [k for k in row if k.startswith(RANKS_PREFIXES)]
+        rows.append({k: v for k, v in row.items() if k not in ranks_keys})
+        rows.append({"step": row["step"], **{k: row[k] for k in ranks_keys}})
         rows += [v for v in validation if v["step"] == row["step"]] + [e for e in evaluation if e["step"] == row["step"]]
     write_jsonl(folder / "metrics.jsonl", rows)
     timeline = {rank: [timeline_row(s, rank, rng, memory=s % 2 == 0) for s in range(1, steps + 1)]
@@ -202,7 +205,7 @@ def test_garbage_lines_and_rows_without_a_step_are_one_warning_each(tmp_path):
         "metrics.jsonl:5: no integer \"step\" (found None); skipped",
         "metrics.jsonl:6: no integer \"step\" (found '3'); skipped",
         "metrics.jsonl:9: note is 'x', not a number; left out",
-        "metrics.jsonl:9: neither a training, validation nor eval row (keys: step); skipped"]
+        "metrics.jsonl:9: neither a training, validation, eval nor ranks row (keys: step); skipped"]
 
 
 def test_a_row_cut_short_with_a_relaunchs_row_appended_on_its_line_keeps_the_appended_row(tmp_path):
@@ -443,3 +446,15 @@ def test_moe_balance_draws_each_layer_or_for_many_layers_the_busiest(tmp_path, l
         assert data["series"]["busiest layer"] == [max(step) for step in ratios]
     else:
         assert data["series"]["layer1"] == [step[1] for step in ratios]
+
+
+def test_a_ranks_row_without_its_training_row_is_one_warning(tmp_path):
+    rows = [{"step": 1, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tps": 10.0, "memory_gib": 1.0},
+            {"step": 1, "phase/total/min": 0.5, "phase/total/median": 0.6, "phase/total/max": 0.7},
+            {"step": 3, "phase/total/min": 0.5}, {"step": 4, "memory/rss_gib/max": 1.0}]
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    code, output = report(tmp_path)
+    assert code == 0, output
+    assert [line for line in output.splitlines() if line.startswith("warning:")] == [
+        "warning: metrics.jsonl: 2 ranks rows (step 3-4) without the training row of their step; skipped"]
+    assert series(plot_data((tmp_path / "report.html").read_text())["step_time"], "phase/total/max") == {1: 0.7}

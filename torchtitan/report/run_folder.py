@@ -23,6 +23,9 @@ METRICS_FILE = "metrics.jsonl"
 TIMELINE_FOLDER = "timeline"
 # Keys every training row of MetricsLogger.log has; a row without one was cut or written by something else.
 TRAINING_KEYS = ("loss", "grad_norm", "lr", "tps", "memory_gib")
+# The keys of the row the trainer writes beside a log step's training row: every rank's phases and memory
+# (components/observability/rank_summary.py); the report reads them as part of that step's training row.
+RANKS_PREFIXES = ("phase/", "memory/", "straggler/", "observability/")
 # The only keys whose value is text (a timeline row's host name); every other value is a number or numbers.
 TEXT_KEYS = ("host",)
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl(?:\.(\d+))?")
@@ -77,13 +80,14 @@ def read_run(folder: str | Path) -> Run:
         matched = _kinds_of(entry.row)
         if not matched:
             keys = ", ".join(sorted(entry.row)[:6]) or "none"
-            problems.append(Problem(entry.file, entry.line, f"neither a training, validation nor eval row (keys: "
-                                                            f"{keys}); skipped"))
+            problems.append(Problem(entry.file, entry.line, f"neither a training, validation, eval nor ranks row "
+                                                            f"(keys: {keys}); skipped"))
         kinds += [(kind, entry) for kind in matched]
     _check_training_keys([entry for kind, entry in kinds if kind == "training"], problems)
     by_kind = _one_per_step(kinds, problems)
     run.training, run.validation, run.evaluation = (by_kind.get(kind, []) for kind in ("training", "validation",
                                                                                         "eval"))
+    _join_ranks_rows(run.training, by_kind.get("ranks", []), problems)
     _read_timeline(folder, run)
     run.config = _read_config(folder, problems)
     # In reading order: by file, then line (a file's own problems first).
@@ -91,10 +95,26 @@ def read_run(folder: str | Path) -> Run:
     return run
 
 
+def _join_ranks_rows(training: list[dict], ranks: list[dict], problems: list[Problem]) -> None:
+    """Each log step's ranks row into its training row (the keys do not overlap)."""
+    by_step = {row["step"]: row for row in training}
+    orphans = []
+    for row in ranks:
+        if row["step"] in by_step:
+            by_step[row["step"]].update({k: v for k, v in row.items() if k != "step"})
+        else:
+            orphans.append(row["step"])
+    if orphans:
+        problems.append(Problem(METRICS_FILE, None, f"{_count(len(orphans), 'ranks row')} (step {_span(orphans)}) "
+                                                    "without the training row of their step; skipped"))
+
+
 def _kinds_of(row: dict) -> list[str]:
     kinds = []
     if any(key in row for key in TRAINING_KEYS):
         kinds.append("training")
+    elif any(key.startswith(RANKS_PREFIXES) for key in row):
+        kinds.append("ranks")
     if any(key.startswith("val_") for key in row):
         kinds.append("validation")
     if any(key.startswith("eval/") for key in row):
