@@ -270,7 +270,7 @@ class Trainer:
         cannot plan it (e.g. a model outside the decoder contract)."""
         from torchtitan.planner import GIB, predicted_memory
 
-        if not self.cfg.observability.record_phases:
+        if not self.cfg.observability.record_phases or self.rank != 0:  # rank 0 alone logs and writes it
             return None
         try:
             memory = predicted_memory(self.cfg, self.device.type, self.parallel_dims.world_size,
