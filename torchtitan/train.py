@@ -443,7 +443,7 @@ class Trainer:
                     with self.observer.paused():
                         self.checkpointer.save(step, cfg.steps)
                 self.observer.mark("checkpoint")
-                self.metrics.log_ranks(step, self.observer.end_step(step, self.metrics.should_log(step, cfg.steps)))
+                self.observer.end_step(step)
                 if self.preemption.should_stop():
                     self._stop_for_preemption(step, saved)
                     return
@@ -472,6 +472,7 @@ class Trainer:
             extra = self.expert_loads.metrics() if self.expert_loads is not None else {}
             extra.update(self.guard.metrics())
             extra.update(self.qk_clip.metrics())
+            extra.update(self.observer.summarise())  # every rank's phases and memory (a collective)
             extra.update(self.replicas.metrics(step))
             extra.update({name: value.item() for name, value in self.step_metrics.items()})
             # What the data source reports, e.g. chat conversations cut or left out (totals since the start).

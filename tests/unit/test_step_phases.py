@@ -53,7 +53,8 @@ def test_an_abandoned_step_leaves_no_row_and_memory_goes_into_its_row(tmp_path):
     phases.abandon()  # e.g. a replica group failed during it: redone as step 1
     phases.begin(1)
     phases.mark("data")
-    phases.end(memory={"rss_gib": 1.5})
+    phases.note_memory({"rss_gib": 1.5})
+    phases.end()
     phases.close()
     written = rows(tmp_path / "timeline" / "rank0.jsonl")
     assert [(r["step"], r["memory"]) for r in written] == [(1, {"rss_gib": 1.5})]
@@ -146,8 +147,38 @@ def test_a_rank_behind_for_fewer_steps_or_by_less_is_not_named():
     assert detector.named == [] and detector.events == 0
 
 
-@pytest.mark.parametrize("flag,value", [("max_file_mb", "0"), ("straggler_fraction", "-1"), ("straggler_steps", "0"),
-                                        ("trace_steps", "0")])
+@pytest.mark.parametrize("flag,value", [("max_file_mb", "0"), ("max_file_mb", "nan"), ("straggler_fraction", "-1"),
+                                        ("straggler_fraction", "nan"), ("straggler_steps", "0"), ("trace_steps", "0")])
 def test_bad_observability_values_are_refused_in_one_line(flag, value):
     assert_one_line_error(train_main, ["--job.config_file", "train_configs/debug_model.toml",
                                        f"--observability.{flag}", value], f"observability.{flag} = ", "is invalid")
+
+
+@pytest.mark.parametrize("flag,value", [("straggler_steps", "5"), ("trace_steps", "3")])
+def test_a_phase_option_without_the_phases_is_refused(flag, value):
+    assert_one_line_error(train_main, ["--job.config_file", "train_configs/debug_model.toml",
+                                       "--observability.no_record_phases", f"--observability.{flag}", value],
+                          f"observability.{flag} = {value}", "record_phases is off")
+
+
+def test_a_failing_disk_stops_the_files_with_one_warning_not_the_rank(tmp_path, caplog):
+    (tmp_path / "timeline").write_text("a file where the folder should be")
+    phases = record(tmp_path, [{"data": 0.0, "forward_backward": 0.001}] * 3)
+    phases.write_trace()
+    phases.close()
+    assert len(phases.take_finished()) == 3  # still summarised
+    warnings = [r for r in caplog.records if "no longer written" in r.getMessage()]
+    assert len(warnings) == 1 and "rank 3" in warnings[0].getMessage()
+
+
+def test_a_lag_carried_from_the_step_before_is_named_as_such():
+    # Rank 1 starts every step 0.3 s late (it ends the step before late, after the last collective) and no phase
+    # of the step itself makes it later: the lag is not the data phase's.
+    cfg = Observability(straggler_steps=2, straggler_fraction=0.2)
+    detector = StragglerDetector(cfg, ["a", "b", "c"])
+    for step in (1, 2):
+        starts = torch.tensor([100.0 * step, 100.0 * step + 0.3, 100.0 * step], dtype=torch.float64)
+        phases = torch.full((3, len(PHASES)), 0.1, dtype=torch.float64)
+        lags = detector.check(step, starts, phases)
+        assert lags == pytest.approx([0.0, 0.3, 0.0])
+    assert detector.named == [(1, "the previous step's last phases", 2)]

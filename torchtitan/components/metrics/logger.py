@@ -114,23 +114,6 @@ class MetricsLogger:
         self._emit({"step": step, **values}, f"eval step: {step}  " + "  ".join(f"{k}: {v:.4f}" for k, v in
                                                                              values.items()))
 
-    def log_ranks(self, step: int, values: dict) -> None:
-        """A row of every rank's step phases and memory (components/observability: phase/*, memory/*,
-        straggler/events), rank 0's only; its console line gives the step time's spread and the slowest rank."""
-        if not values:
-            return
-        line = f"ranks step: {step}"
-        if "phase/total/median" in values:
-            line += (f"  step_time min/median/max: {values['phase/total/min']:.3f}/{values['phase/total/median']:.3f}/"
-                     f"{values['phase/total/max']:.3f}s (slowest rank {values['phase/total/slowest_rank']})")
-        kind = next((k for k in ("peak_reserved_gib", "peak_rss_gib") if f"memory/{k}/max" in values), None)
-        if kind is not None:
-            line += (f"  {kind.removesuffix('_gib')} min/max: {values[f'memory/{kind}/min']:.2f}/"
-                     f"{values[f'memory/{kind}/max']:.2f} GiB (rank {values[f'memory/{kind}/max_rank']})")
-            if "memory/plan_gib" in values:
-                line += f", plan {values['memory/plan_gib']:.2f} GiB"
-        self._emit({"step": step, **values}, line)
-
     def _emit(self, row: dict, line: str) -> None:
         if not self.writes:
             return
@@ -158,6 +141,14 @@ class MetricsLogger:
             fields.append(("moe_load", f"{row['moe/max_over_mean']:.2f}", "\033[33m"))
         if "moe/aux_loss" in row:
             fields.append(("moe_aux", f"{row['moe/aux_loss']:.4g}", "\033[33m"))
+        if "phase/total/median" in row:  # every rank's steps since the last log row (components/observability)
+            fields.append(("ranks_step", f"{row['phase/total/min']:.3f}/{row['phase/total/median']:.3f}/"
+                                         f"{row['phase/total/max']:.3f}s", "\033[37m"))
+        kind = next((k for k in ("peak_reserved_gib", "peak_rss_gib") if f"memory/{k}/max" in row), None)
+        if kind is not None:
+            plan = f", plan {row['memory/plan_gib']:.2f}" if "memory/plan_gib" in row else ""
+            fields.append(("ranks_memory", f"{row[f'memory/{kind}/min']:.2f}-{row[f'memory/{kind}/max']:.2f} GiB"
+                                           f"{plan}", "\033[36m"))
         overlong = [(row.get(f"data/conversations_{kind}", 0), kind) for kind in ("truncated", "dropped")]
         if any(count for count, _ in overlong):
             fields.append(("overlong", ", ".join(f"{count} {kind}" for count, kind in overlong), "\033[33m"))

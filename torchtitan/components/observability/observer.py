@@ -13,7 +13,6 @@ from torchtitan.components.observability.hang_watchdog import HangWatchdog
 from torchtitan.components.observability.rank_summary import RankSummary, memory_readings
 from torchtitan.components.observability.step_phases import PHASES, StepPhases
 from torchtitan.config.job_config import Observability
-from torchtitan.log import logger
 
 
 class RunObserver:
@@ -58,31 +57,33 @@ class RunObserver:
     def abandon_step(self) -> None:
         self.phases.abandon()
 
-    def end_step(self, step: int, summarise: bool) -> dict:
-        """Close the step; on a log step (``summarise``, the same on every rank) gather every rank's phases and
-        memory and return rank 0's metrics for them (others: {})."""
-        metrics = self._summary(summarise) if self.enabled else {}
-        self.watchdog.progress(step, time.perf_counter() - self.step_start)  # after the summary's collective
-        return metrics
-
-    def _summary(self, summarise: bool) -> dict:
-        if not summarise:
-            self.phases.end()
+    def summarise(self) -> dict:
+        """At a log step (every rank calls it at the same step, before writing the step's metrics row): gather every
+        rank's finished steps since the last summary and its memory now, and return rank 0's metrics for them (the
+        other ranks: {}). The running step is not finished: its phases count in the next summary."""
+        if not self.enabled:
             return {}
         t0 = time.perf_counter()
         memory = memory_readings(self.device)
-        self.phases.end(memory, wait=True)
+        self.phases.note_memory(memory)
+        # The previous steps' last device events completed before the loss was read this step: no wait here.
         finished = self.phases.take_finished()
         metrics = self.summary.gather(finished, memory)
         self.phases.write_trace()
-        own = self.phases.take_own_seconds() + time.perf_counter() - t0
+        # The all-gather's time is mostly waiting for the last rank to reach this point, not the recorder's work.
+        own = self.phases.take_own_seconds() + time.perf_counter() - t0 - self.summary.gather_seconds
         steps = sum(times.total for times in finished)
         if self.rank == 0:
             if self.planned_gib is not None:
                 metrics["memory/plan_gib"] = round(self.planned_gib, 4)
-            # This rank's recorder time (marks, rows, this summary) over the steps it covered.
-            metrics["observability/overhead_pct"] = round(100 * own / max(steps, 1e-9), 4)
+            if steps > 0:  # this rank's recorder time (marks, rows, the summary) over the steps it covered
+                metrics["observability/overhead_pct"] = round(100 * own / steps, 4)
         return metrics
+
+    def end_step(self, step: int) -> None:
+        """The step ends (after its checkpoint phase)."""
+        self.phases.end()
+        self.watchdog.progress(step, time.perf_counter() - self.step_start)
 
     def training_ended(self) -> None:
         """What follows training (the teardown, a test's checks) is not a step: the watchdog stops."""
@@ -90,7 +91,4 @@ class RunObserver:
 
     def close(self) -> None:
         self.watchdog.close()
-        try:
-            self.phases.close()
-        except OSError as e:  # the timeline is a by-product: its disk filling up must not hide the real exit
-            logger.warning(f"could not finish the timeline files: {e}")
+        self.phases.close()

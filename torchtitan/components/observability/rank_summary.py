@@ -14,9 +14,11 @@ where its lag grew most. Behind for ``straggler_steps`` consecutive steps, it is
 host, phase, lag) and counted in ``straggler/events``.
 """
 
+import math
 import os
 import resource
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,14 +50,20 @@ def memory_readings(device: torch.device) -> dict[str, float]:
 
 def config_problems(cfg: Observability) -> list[tuple[str, str]]:
     problems = []
-    if cfg.max_file_mb <= 0:
-        problems.append(("max_file_mb", "is invalid; it must be > 0"))
+    if not (math.isfinite(cfg.max_file_mb) and cfg.max_file_mb > 0):
+        problems.append(("max_file_mb", "is invalid; it must be a number > 0"))
     if cfg.trace_steps < 1:
         problems.append(("trace_steps", "is invalid; it must be >= 1"))
-    if cfg.straggler_fraction <= 0:
-        problems.append(("straggler_fraction", "is invalid; it must be > 0"))
+    if not (math.isfinite(cfg.straggler_fraction) and cfg.straggler_fraction > 0):
+        problems.append(("straggler_fraction", "is invalid; it must be a number > 0"))
     if cfg.straggler_steps < 1:
         problems.append(("straggler_steps", "is invalid; it must be >= 1"))
+    if not cfg.record_phases:
+        default = Observability()
+        for name in ("max_file_mb", "trace_steps", "straggler_fraction", "straggler_steps"):
+            if getattr(cfg, name) != getattr(default, name):
+                problems.append((name, "is set but observability.record_phases is off, so nothing would use it; "
+                                       "turn record_phases on or leave it at its default"))
     return problems
 
 
@@ -78,6 +86,7 @@ class RankSummary:
         else:
             self.hosts = [os.uname().nodename]
         self.stragglers = StragglerDetector(cfg, self.hosts)
+        self.gather_seconds = 0.0  # the last all-gather's
 
     def gather(self, steps: list[StepTimes], memory: dict[str, float]) -> dict:
         """All ranks call this at the same log step; rank 0 returns the metrics (others an empty dict)."""
@@ -90,9 +99,11 @@ class RankSummary:
             local[row, 0], local[row, 1] = times.step, times.start
             local[row, 2:] = torch.tensor([times.phases[p] for p in PHASES], dtype=torch.float64)
         if self.distributed:
+            t0 = time.perf_counter()
             everyone = torch.empty((self.world * local.shape[0], columns), dtype=torch.float64, device=self.device)
             dist.all_gather_into_tensor(everyone, local.to(self.device))
             everyone = everyone.cpu().view(self.world, *local.shape)
+            self.gather_seconds = time.perf_counter() - t0
         else:
             everyone = local[None]
         if self.rank != 0:
@@ -128,10 +139,13 @@ class RankSummary:
         for rank in range(self.world):
             ids = {int(s) for s in steps[rank, :, 0].tolist() if s == s}
             common = ids if common is None else common & ids
+        worst = [0.0] * self.world  # each rank's largest lag over the window
         for step in sorted(common or ()):
             rows = torch.stack([steps[r][steps[r, :, 0] == step][0] for r in range(self.world)])
-            self.stragglers.check(step, rows[:, 1], rows[:, 2:])
-        return {"straggler/events": self.stragglers.events}
+            worst = [max(a, b) for a, b in zip(worst, self.stragglers.check(step, rows[:, 1], rows[:, 2:]))]
+        laggard = max(range(self.world), key=worst.__getitem__)
+        return {"straggler/events": self.stragglers.events, "straggler/max_lag_s": round(worst[laggard], 6),
+                "straggler/max_lag_rank": laggard}
 
 
 class StragglerDetector:
@@ -144,29 +158,35 @@ class StragglerDetector:
         self.events = 0
         self.named: list[tuple[int, str, int]] = []  # (rank, phase, step) of each straggler named
 
-    def check(self, step: int, starts: torch.Tensor, phases: torch.Tensor) -> None:
-        """One step: ``starts`` (ranks,) unix seconds, ``phases`` (ranks, len(PHASES)) seconds."""
+    def check(self, step: int, starts: torch.Tensor, phases: torch.Tensor) -> list[float]:
+        """One step: ``starts`` (ranks,) unix seconds, ``phases`` (ranks, len(PHASES)) seconds; returns each rank's
+        largest lag behind the median rank at a phase's end (0 for one never behind)."""
         # When each rank reaches the end of each phase, relative to the median rank (column 0: the step start).
         ends = torch.cat([starts[:, None], starts[:, None] + phases.cumsum(dim=1)], dim=1)
         # torch's median of an even count is the lower middle one: of two ranks, the one ahead.
         lag = ends - ends.median(dim=0, keepdim=True).values
         median_step = statistics.median(phases.sum(dim=1).tolist())
         threshold = self.cfg.straggler_fraction * median_step
+        lags = []
         for rank in range(len(self.hosts)):
             worst = float(lag[rank, 1:].max())
+            lags.append(max(worst, 0.0))
             if worst <= threshold:
                 self.behind[rank] = 0
                 continue
             self.behind[rank] += 1
             if self.behind[rank] == self.cfg.straggler_steps:
                 self.events += 1
-                phase = PHASES[int((lag[rank, 1:] - lag[rank, :-1]).argmax())]
+                growth = lag[rank, 1:] - lag[rank, :-1]
+                # Late from the start with no phase adding to it: the lag came from the end of the step before.
+                phase = PHASES[int(growth.argmax())] if growth.max() > 0 else "the previous step's last phases"
                 self.named.append((rank, phase, step))
                 first = step - self.cfg.straggler_steps + 1
                 logger.warning(
                     f"straggler: rank {rank} (host {self.hosts[rank]}) fell behind in {phase} at steps {first}-{step}: "
                     f"{worst:.3f} s behind the median rank ({worst / max(median_step, 1e-9):.0%} of the median step "
                     f"of {median_step:.3f} s; observability.straggler_fraction = {self.cfg.straggler_fraction})")
+        return lags
 
 
 def _spread(prefix: str, per_rank: list[float], argmax_name: str, digits: int) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config.job_config import Observability
+from torchtitan.log import logger
 
 # In the order a step runs them; a phase that did not happen in a step (no evaluation, no checkpoint) is 0.
 PHASES = ("data", "forward_backward", "grad_comm", "optimizer", "logging", "evaluation", "checkpoint")
@@ -73,6 +74,7 @@ class StepPhases:
         self.path = self.folder / f"rank{rank}.jsonl"
         self.trace_path = self.folder / f"trace_rank{rank}.json"
         self.file = None
+        self.write_failed = False
         self.open: _OpenStep | None = None
         self.pending: list[_OpenStep] = []  # ended, with CUDA events not yet read
         self.finished: collections.deque[StepTimes] = collections.deque(maxlen=max(cfg.trace_steps, 1))
@@ -106,16 +108,19 @@ class StepPhases:
         """The open step is not counted (e.g. redone after a replica group failed during it)."""
         self.open = None
 
-    def end(self, memory: dict[str, float] | None = None, wait: bool = False) -> None:
-        """Close the open step; ``memory`` (this rank's readings, on log steps) goes into its row. Steps whose
-        CUDA events have completed are written; ``wait`` waits for the rest (the caller synchronises anyway)."""
+    def note_memory(self, memory: dict[str, float]) -> None:
+        """This rank's memory readings (at a log step) go into the running step's row."""
+        if self.open is not None:
+            self.open.memory = memory
+
+    def end(self) -> None:
+        """Close the open step; the steps whose CUDA events have completed are written."""
         if not self.enabled or self.open is None:
             return
         t0 = time.perf_counter()
-        self.open.memory = memory
         self.pending.append(self.open)
         self.open = None
-        self._resolve(wait)
+        self._resolve(wait=False)
         self.own_seconds += time.perf_counter() - t0
 
     def _resolve(self, wait: bool) -> None:
@@ -142,7 +147,19 @@ class StepPhases:
     def _record(self, times: StepTimes) -> None:
         self.finished.append(times)
         self.unreported.append(times)
-        self._append(times.row(self.rank, self.host))
+        self._write(self._append, times.row(self.rank, self.host))
+
+    def _write(self, write, *args) -> None:
+        """The files are a by-product: a full or failing disk stops them (one warning), not the rank, whose peers
+        would then wait for it in the next collective."""
+        if self.write_failed:
+            return
+        try:
+            write(*args)
+        except OSError as e:
+            self.write_failed = True
+            logger.warning(f"rank {self.rank}: the timeline files under {self.folder} are no longer written ({e}); "
+                           "the phases are still summarised")
 
     def _append(self, row: dict) -> None:
         if self.file is None:
@@ -169,8 +186,10 @@ class StepPhases:
 
     def write_trace(self) -> None:
         """The last trace_steps steps as a Chrome trace (complete events; one process per rank)."""
-        if not self.enabled or not self.finished:
-            return
+        if self.enabled and self.finished:
+            self._write(self._write_trace)
+
+    def _write_trace(self) -> None:
         events = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                    "args": {"name": f"rank {self.rank} ({self.host})"}}]
         for times in self.finished:
@@ -194,5 +213,5 @@ class StepPhases:
         self._resolve(wait=True)
         self.write_trace()
         if self.file is not None:
-            self.file.close()
+            self._write(self.file.close)
             self.file = None
