@@ -21,6 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.observability.lag import lag_behind, phase_end_lags
 from torchtitan.components.observability.step_phases import PHASES, StepTimes
 from torchtitan.config.job_config import Observability
 from torchtitan.log import logger
@@ -146,21 +147,19 @@ class StragglerDetector:
 
     def check(self, step: int, starts: torch.Tensor, phases: torch.Tensor) -> None:
         """One step: ``starts`` (ranks,) unix seconds, ``phases`` (ranks, len(PHASES)) seconds."""
-        # When each rank reaches the end of each phase, relative to the median rank (column 0: the step start).
-        ends = torch.cat([starts[:, None], starts[:, None] + phases.cumsum(dim=1)], dim=1)
-        # torch's median of an even count is the lower middle one: of two ranks, the one ahead.
-        lag = ends - ends.median(dim=0, keepdim=True).values
+        lags = phase_end_lags(starts.tolist(), phases.tolist())
         median_step = statistics.median(phases.sum(dim=1).tolist())
         threshold = self.cfg.straggler_fraction * median_step
         for rank in range(len(self.hosts)):
-            worst = float(lag[rank, 1:].max())
+            worst = lag_behind(lags[rank])
             if worst <= threshold:
                 self.behind[rank] = 0
                 continue
             self.behind[rank] += 1
             if self.behind[rank] == self.cfg.straggler_steps:
                 self.events += 1
-                phase = PHASES[int((lag[rank, 1:] - lag[rank, :-1]).argmax())]
+                row = lags[rank]
+                phase = PHASES[max(range(len(PHASES)), key=lambda p: row[p + 1] - row[p])]
                 self.named.append((rank, phase, step))
                 first = step - self.cfg.straggler_steps + 1
                 logger.warning(
