@@ -367,9 +367,9 @@ def _phases(run: Run, notes: list[str]) -> _Draft | str:
         ax.stackplot(data["x"], stacks, labels=list(data["series"]))
         _finish(ax, "seconds")
     return _Draft("phases", "Where the median rank's step went", "The phases, stacked, of the rank whose lag (as in "
-                  "Lag behind the median rank) is the median at each step (of an even count the lower middle one): a typical rank, "
-                  "not a straggler, so a straggler shows here as the time this rank waits for it, in the phase whose "
-                  "collective waits." + _thinned_note(data), data, draw)
+                  "Lag behind the median rank) is the median at each step (of an even count the lower middle one): a "
+                  "typical rank, not a straggler, so a straggler shows here as the time this rank waits for it, in "
+                  "the phase whose collective waits." + _thinned_note(data), data, draw)
 
 
 _LAYER_KEY = re.compile(r"moe/layer(\d+)/(max_tokens|mean_tokens|expert_fractions)")
