@@ -6,10 +6,10 @@
 RUN_FOLDER is a run's job.dump_folder (it holds metrics.jsonl, and timeline/ when the run recorded its phases).
 The page (default RUN_FOLDER/report.html) shows, where the run has the data: training and validation loss, the
 learning rate, the gradient norm, tokens/s and MFU, step time, memory against the planner's prediction, each
-rank's step time as a heatmap and the median rank's phases, MoE expert balance and per-expert load, evaluation
-scores and RL rewards; it lists the plots left out and why. The PNGs go to --png_dir (default REPORT_png beside the
-page); the ranks' Chrome traces (timeline/trace_rank*.json) are merged into REPORT.trace.json beside it (Perfetto
-opens it). Running it again replaces the files it wrote, never others. docs/report.md says more.
+rank's lag behind the median rank as a heatmap and the median rank's phases, MoE expert balance and per-expert
+load, evaluation scores and RL rewards; it lists the plots left out and why. The PNGs go to --png_dir (default
+REPORT_png beside the page); the ranks' Chrome traces (timeline/trace_rank*.json) are merged into REPORT.trace.json
+beside it (Perfetto opens it). Running it again replaces the files it wrote, never others. docs/report.md says more.
 
 A run that crashed or was relaunched leaves rows cut short, garbled, repeated or out of order: the report shows what
 can be read, and each problem is one line ``warning: FILE:LINE: what`` on stderr and in the page.

@@ -7,6 +7,7 @@ problem, never a traceback."""
 import json
 import random
 import re
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,20 @@ def timeline_row(step: int, rank: int, rng: random.Random, memory: bool = True) 
     if memory:
         row["memory"] = {"rss_gib": rng.uniform(0.3, 1), "peak_rss_gib": rng.uniform(1, 2)}
     return row
+
+
+def reference_lags(rows: dict[int, dict]) -> dict[int, float]:
+    """{rank: its lag} at one step from the ranks' timeline rows: the most it reaches a phase's end after the rank
+    that is the median there (the lower middle one of an even count), 0 when nowhere behind."""
+    ends = {rank: [row["start"] + sum(row["phases"][p] for p in PHASES[:i + 1]) for i in range(len(PHASES))]
+            for rank, row in rows.items()}
+    medians = [sorted(e[i] for e in ends.values())[(len(ends) - 1) // 2] for i in range(len(PHASES))]
+    return {rank: max(0.0, *(e - m for e, m in zip(ends[rank], medians))) for rank in rows}
+
+
+def median_lag_rank(rows: dict[int, dict]) -> int:
+    lags = reference_lags(rows)
+    return sorted(rows, key=lambda rank: (lags[rank], rank))[(len(rows) - 1) // 2]
 
 
 def write_jsonl(path: Path, rows: list, tail: str = "") -> None:
@@ -111,7 +126,7 @@ def test_every_plot_draws_the_run_folders_values(tmp_path, seed, ranks):
     html = (tmp_path / "report.html").read_text()
     data = plot_data(html)
     assert sorted(data) == sorted(["loss", "learning_rate", "grad_norm", "throughput", "step_time", "memory",
-                                   "rank_step_time", "phases", "moe_balance", "expert_load", "evaluation",
+                                   "rank_lag", "phases", "moe_balance", "expert_load", "evaluation",
                                    "rl_rewards"])
     assert '<img class="plot"' in html and html.count('<img class="plot"') == 12
     training = written["training"]
@@ -127,14 +142,16 @@ def test_every_plot_draws_the_run_folders_values(tmp_path, seed, ranks):
     assert series(data["step_time"], "phase/total/max") == column("phase/total/max")
     assert series(data["memory"], "memory/rss_gib/min") == column("memory/rss_gib/min")
     assert data["memory"]["plan_gib"] == 1.25  # plan.json's total, before metrics' memory/plan_gib
+    steps = range(1, 7)
+    lags = {step: reference_lags({rank: rows[step - 1] for rank, rows in written["timeline"].items()})
+            for step in steps}
     for rank, rows in written["timeline"].items():
-        assert series(data["rank_step_time"], f"rank{rank}") == {r["step"]: r["total_s"] for r in rows}
+        assert series(data["rank_lag"], f"rank{rank}") == pytest.approx({s: lags[s][rank] for s in steps}, abs=1e-6)
         assert series(data["memory"], f"rank{rank}/peak_rss_gib") == {r["step"]: r["memory"]["peak_rss_gib"]
                                                                       for r in rows if "memory" in r}
-    # The phases are those of the rank whose step time is the median at each step.
+    # The phases are those of the rank whose lag is the median at each step.
     for i, step in enumerate(data["phases"]["x"]):
-        totals = sorted((rows[step - 1]["total_s"], rank) for rank, rows in written["timeline"].items())
-        median_rank = totals[(len(totals) - 1) // 2][1]
+        median_rank = median_lag_rank({rank: rows[step - 1] for rank, rows in written["timeline"].items()})
         assert data["phases"]["rank"][i] == median_rank
         assert {name: data["phases"]["series"][name][i] for name in PHASES} == \
             written["timeline"][median_rank][step - 1]["phases"]
@@ -160,6 +177,80 @@ def test_every_plot_draws_the_run_folders_values(tmp_path, seed, ranks):
     assert not re.search(r'(src|href)="(?!data:)', html)
 
 
+def synchronous_timelines(rng: random.Random, ranks: int, steps: int, late_rank: int, late: dict[int, float]) -> \
+        dict[int, list[dict]]:
+    """Timelines of a synchronous run (every rank leaves forward_backward together, after the last one's data
+    came) whose ``late_rank`` waits ``late[step]`` seconds longer for its data at those steps; the ranks start
+    and finish their own work within a millisecond of each other otherwise."""
+    timelines = {rank: [] for rank in range(ranks)}
+    for step in range(1, steps + 1):
+        begin = 1.7e9 + 10 * step
+        starts = [begin + rng.uniform(0, 1e-3) for _ in range(ranks)]
+        data = [0.05 + rng.uniform(0, 1e-3) + (late.get(step, 0.0) if rank == late_rank else 0.0)
+                for rank in range(ranks)]
+        together = max(s + d for s, d in zip(starts, data)) + 0.2  # the end of forward_backward, on every rank
+        for rank in range(ranks):
+            phases = {"data": data[rank], "forward_backward": together - starts[rank] - data[rank], "grad_comm": 0.01,
+                      "optimizer": 0.02 + rng.uniform(0, 1e-3), "logging": rng.uniform(0, 1e-3), "evaluation": 0.0,
+                      "checkpoint": 0.0}
+            timelines[rank].append({"step": step, "rank": rank, "host": f"node{rank}", "start": starts[rank],
+                                    "total_s": sum(phases.values()), "phases": phases})
+    return timelines
+
+
+@pytest.mark.parametrize("seed, ranks, late_rank, missing", [(20, 2, 1, (0, 5)), (21, 3, 0, (2, 7))])
+def test_the_lag_heatmap_shows_the_rank_whose_data_came_late_and_the_phases_are_a_typical_ranks(
+        tmp_path, seed, ranks, late_rank, missing):
+    """Every rank's step lasts as long (they wait for each other): total_s cannot show the late rank, its lag can."""
+    rng = random.Random(seed)
+    late = {step: rng.uniform(0.3, 1.0) for step in (3, 4, 8)}
+    timelines = synchronous_timelines(rng, ranks, 9, late_rank, late)
+    missing_rank, missing_step = missing
+    del timelines[missing_rank][missing_step - 1]  # a step one rank's timeline lacks: no lag over all ranks
+    write_jsonl(tmp_path / "metrics.jsonl", [training_row(s, rng) for s in range(1, 10)])
+    for rank, rows in timelines.items():
+        write_jsonl(tmp_path / "timeline" / f"rank{rank}.jsonl", rows)
+    code, output = report(tmp_path)
+    assert code == 0 and "warning:" not in output, output
+    html = (tmp_path / "report.html").read_text()
+    data = plot_data(html)
+    lag = data["rank_lag"]
+    steps = [s for s in range(1, 10) if s != missing_step]
+    assert lag["x"] == steps and lag["steps_left_out"] == 1 and escape("1 step that some rank's timeline lacks") in html
+    for rank in range(ranks):
+        expected = {s: late.get(s, 0.0) if rank == late_rank else 0.0 for s in steps}
+        assert series(lag, f"rank{rank}") == pytest.approx(expected, abs=3e-3), rank
+    # At the late steps the phases drawn are not the late rank's but those of a rank that waited for it, in
+    # forward_backward; at the step one rank lacks, the median-lag rank of the others.
+    phases = data["phases"]
+    assert phases["x"] == list(range(1, 10))
+    assert all(rank != late_rank for step, rank in zip(phases["x"], phases["rank"]) if step in late)
+    by_rank = {rank: {row["step"]: row for row in rows} for rank, rows in timelines.items()}
+    for step, rank in zip(phases["x"], phases["rank"]):
+        present = {r: rows[step] for r, rows in by_rank.items() if step in rows}
+        assert rank == median_lag_rank(present), step
+        assert series(phases, "forward_backward")[step] == present[rank]["phases"]["forward_backward"]
+    for step, delay in late.items():
+        assert series(phases, "forward_backward")[step] > 0.2 + delay - 3e-3  # it waited for the late rank
+
+
+@pytest.mark.parametrize("ranks, drop, note", [
+    (1, None, "per-rank lag: one rank's timeline; no other rank to be behind"),
+    (2, "start", "per-rank lag: no step that every rank's timeline has with its start and phases"),
+])
+def test_timelines_that_give_no_lag_leave_the_heatmap_out_with_a_note(tmp_path, ranks, drop, note):
+    rng = random.Random(22 + ranks)
+    write_jsonl(tmp_path / "metrics.jsonl", [training_row(s, rng) for s in (1, 2, 3)])
+    for rank, rows in synchronous_timelines(rng, ranks, 3, 0, {2: 0.5}).items():
+        write_jsonl(tmp_path / "timeline" / f"rank{rank}.jsonl", [{k: v for k, v in r.items() if k != drop}
+                                                                  for r in rows])
+    code, output = report(tmp_path)
+    assert code == 0 and "warning:" not in output, output
+    html = (tmp_path / "report.html").read_text()
+    assert f"<li>{escape(note)}</li>" in html
+    assert "rank_lag" not in plot_data(html) and plot_data(html)["phases"]["rank"] == [0, 0, 0]
+
+
 def test_a_folder_without_timelines_or_extras_lists_what_is_left_out(tmp_path):
     rng = random.Random(2)
     write_jsonl(tmp_path / "metrics.jsonl", [training_row(s, rng, mfu=None) for s in (1, 2, 3)])
@@ -168,7 +259,7 @@ def test_a_folder_without_timelines_or_extras_lists_what_is_left_out(tmp_path):
     html = (tmp_path / "report.html").read_text()
     assert sorted(plot_data(html)) == ["grad_norm", "learning_rate", "loss", "memory", "step_time", "throughput"]
     absent = re.search(r'<section id="absent">(.*?)</section>', html, re.S).group(1)
-    for what in ("validation loss", "MFU", "memory plan", "per-rank step time", "phase breakdown", "MoE balance",
+    for what in ("validation loss", "MFU", "memory plan", "per-rank lag", "phase breakdown", "MoE balance",
                  "MoE expert load", "evaluation scores", "RL rewards"):
         assert f"<li>{what}: " in absent, what
     assert not (tmp_path / "report.trace.json").exists()
@@ -381,7 +472,7 @@ def test_reports_replace_their_own_files_and_never_another(tmp_path):
     code, output = report(tmp_path)
     assert code == 0, output
     pngs = {p.stem for p in (tmp_path / "report_png").iterdir()}
-    assert pngs == set(plot_data((tmp_path / "report.html").read_text())) and "rank_step_time" not in pngs
+    assert pngs == set(plot_data((tmp_path / "report.html").read_text())) and "rank_lag" not in pngs
     assert not (tmp_path / "report.trace.json").exists()
     # A file this script did not write, or edited since, is never replaced.
     foreign = tmp_path / "other"
@@ -409,18 +500,23 @@ def test_long_runs_draw_an_even_sample_of_steps_in_their_heatmaps_with_the_value
         monkeypatch.setattr(figures, "MAX_CELLS", cells)
     rng = random.Random(steps)
     write_jsonl(tmp_path / "metrics.jsonl", [training_row(s, rng) for s in range(1, steps + 1, 50)])
-    totals = {}
+    data_s = {}
     for rank in range(ranks):
-        rows = [{"step": s, "rank": rank, "total_s": rng.random(), "phases": {"data": 0.1}} for s in range(1, steps + 1)]
-        totals[rank] = {r["step"]: r["total_s"] for r in rows}
+        rows = [{"step": s, "rank": rank, "start": 1.7e9 + s, "total_s": 0.0, "phases": {"data": rng.random()}}
+                for s in range(1, steps + 1)]
+        data_s[rank] = {r["step"]: r["phases"]["data"] for r in rows}
         write_jsonl(tmp_path / "timeline" / f"rank{rank}.jsonl", rows)
+    # One phase and one start: a rank's lag is its data time less the (lower) median rank's.
+    lags = {rank: {s: max(0.0, data_s[rank][s] - sorted(d[s] for d in data_s.values())[(ranks - 1) // 2])
+                   for s in data_s[rank]} for rank in range(ranks)}
     plots, _ = make_plots(read_run(tmp_path))
-    data = next(p.data for p in plots if p.name == "rank_step_time")
+    data = next(p.data for p in plots if p.name == "rank_lag")
     assert len(data["x"]) == min(MAX_COLUMNS, figures.MAX_CELLS // ranks) and data["x"][0] == 1
     assert data["x"][-1] == steps and data["steps_in_run"] == steps
     steps_apart = {b - a for a, b in zip(data["x"], data["x"][1:])}
     assert max(steps_apart) - min(steps_apart) <= 1  # evenly spaced
-    assert all(series(data, f"rank{rank}") == {s: totals[rank][s] for s in data["x"]} for rank in range(ranks))
+    for rank in range(ranks):
+        assert series(data, f"rank{rank}") == pytest.approx({s: lags[rank][s] for s in data["x"]}, abs=1e-6)
     assert len(next(p.data for p in plots if p.name == "phases")["x"]) == MAX_COLUMNS
 
 

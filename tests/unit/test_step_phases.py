@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.bad_input import assert_one_line_error
+from torchtitan.components.observability.lag import lag_behind, phase_end_lags
 from torchtitan.components.observability.rank_summary import RankSummary, StragglerDetector, memory_readings
 from torchtitan.components.observability.step_phases import PHASES, StepPhases
 from torchtitan.config.job_config import Observability
@@ -120,6 +121,22 @@ def steps_with(ranks: int, slow_rank: int, phase: str, lag: float, slow_steps: r
         phase_rows.append(p)
         start = float((s + p.sum(dim=1)).min())
     return starts, phase_rows
+
+
+@pytest.mark.parametrize("ranks, seed", [(2, 0), (5, 1), (8, 2)])
+def test_phase_end_lags_are_each_ranks_phase_ends_less_the_lower_median_ranks(ranks, seed):
+    generator = torch.Generator().manual_seed(seed)
+    starts = 1.7e9 + torch.rand(ranks, generator=generator, dtype=torch.float64)
+    phases = torch.rand(ranks, len(PHASES), generator=generator, dtype=torch.float64)
+    # The reference in torch: its median of an even count is the lower middle value, the one ahead.
+    ends = torch.cat([starts[:, None], starts[:, None] + phases.cumsum(dim=1)], dim=1)
+    expected = ends - ends.median(dim=0, keepdim=True).values
+    lags = phase_end_lags(starts.tolist(), phases.tolist())
+    assert torch.tensor(lags, dtype=torch.float64).allclose(expected, rtol=0, atol=1e-6)
+    assert [lag_behind(row) for row in lags] == pytest.approx(expected[:, 1:].max(dim=1).values.clamp(min=0).tolist(),
+                                                              abs=1e-6)
+    # At each point the median rank is the lower middle one: (ranks - 1) // 2 ranks are ahead of it (of two, none).
+    assert [sum(lag < 0 for lag in column) for column in zip(*lags)] == [(ranks - 1) // 2] * (len(PHASES) + 1)
 
 
 @pytest.mark.parametrize("ranks,slow_rank,phase", [(2, 1, "data"), (4, 2, "optimizer"), (5, 0, "checkpoint"),

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torchtitan.components.observability.lag import lag_behind, phase_end_lags
 from torchtitan.report.run_folder import Run
 
 # Written into every PNG's metadata (the "Software" text chunk): how the script knows a PNG it may replace.
@@ -278,39 +279,83 @@ def _memory(run: Run, notes: list[str]) -> _Draft | str:
                   "prediction for this config (dashed).", data, draw)
 
 
-def _median_rank(totals: dict[int, float]) -> int:
-    """The rank whose step time is the median (the lower of the middle two for an even count)."""
-    ordered = sorted(totals, key=lambda rank: (totals[rank], rank))
+def _median_rank(values: dict[int, float]) -> int:
+    """The rank whose value is the median (the lower of the middle two for an even count; ties by rank)."""
+    ordered = sorted(values, key=lambda rank: (values[rank], rank))
     return ordered[(len(ordered) - 1) // 2]
 
 
 _NO_TIMELINE = "no timeline/rank*.jsonl (observability.record_phases is off, or the run predates it)"
 
 
-def _rank_heatmap(run: Run, notes: list[str]) -> _Draft | str:
+def _by_step(run: Run) -> dict[int, dict[int, dict]]:
+    """{step: {rank: its timeline row}}."""
+    by_step: dict[int, dict[int, dict]] = {}
+    for rank, rows in run.timeline.items():
+        for row in rows:
+            by_step.setdefault(row["step"], {})[rank] = row
+    return dict(sorted(by_step.items()))
+
+
+def _phase_names(rows) -> list[str]:
+    names = {name for row in rows if isinstance(row.get("phases"), dict) for name in row["phases"]}
+    return [n for n in PHASES if n in names] + sorted(names - set(PHASES))
+
+
+def _lags(rows: dict[int, dict]) -> dict[int, float]:
+    """{rank: its lag behind the median rank} at one step (as straggler detection measures it), over the ranks
+    whose row has its start and every phase a number."""
+    rows = {rank: row for rank, row in rows.items() if isinstance(row.get("start"), (int, float)) and
+            isinstance(phases := row.get("phases"), dict) and all(isinstance(v, (int, float)) for v in phases.values())}
+    names = _phase_names(rows.values())
+    ranks = sorted(rows)
+    lags = phase_end_lags([rows[rank]["start"] for rank in ranks],
+                          [[rows[rank]["phases"].get(name, 0.0) for name in names] for rank in ranks])
+    return {rank: lag_behind(row) for rank, row in zip(ranks, lags)}
+
+
+def _rank_lag(run: Run, notes: list[str]) -> _Draft | str:
     if not run.timeline:
-        return f"per-rank step time: {_NO_TIMELINE}"
-    data = _thin(_aligned({f"rank{rank}": {row["step"]: _value(row["total_s"]) for row in rows}
-                           for rank, rows in sorted(run.timeline.items())}))
+        return f"per-rank lag: {_NO_TIMELINE}"
+    if len(run.timeline) == 1:
+        return "per-rank lag: one rank's timeline; no other rank to be behind"
+    columns: dict[str, dict[int, object]] = {f"rank{rank}": {} for rank in sorted(run.timeline)}
+    left_out = 0
+    for step, rows in _by_step(run).items():
+        # The median of a step some rank lacks would be another median, and a lag behind it another lag.
+        lags = _lags(rows) if len(rows) == len(run.timeline) else {}
+        if len(lags) < len(run.timeline):
+            left_out += 1
+            continue
+        for rank, lag in lags.items():
+            columns[f"rank{rank}"][step] = _value(lag)
+    data = _aligned(columns)
+    if not data["series"]:
+        return "per-rank lag: no step that every rank's timeline has with its start and phases"
+    data = _thin({**data, "steps_left_out": left_out})
     labels = list(data["series"])
+    missing = (f" {left_out} step{'s' if left_out != 1 else ''} that some rank's timeline lacks (or has without its "
+               "start and phases) left out." if left_out else "")
 
     def draw(figure, data):
-        _heatmap(figure, data, "rank", "step time (s)", [label.removeprefix("rank") for label in labels])
-    return _Draft("rank_step_time", "Step time per rank", "Each rank's step time (total_s of timeline/rank*.jsonl); "
-                  "a straggler is a row brighter than the others." + _thinned_note(data), data, draw)
+        _heatmap(figure, data, "rank", "seconds behind the median rank", [label.removeprefix("rank") for label in
+                                                                          labels])
+    return _Draft("rank_lag", "Lag behind the median rank", "How far each rank is behind the median rank "
+                  "(seconds) at each step: the most it reached a phase's end after the median rank (of an even count "
+                  "the lower middle one, the one ahead), from the step starts and phases in timeline/rank*.jsonl, as "
+                  "straggler detection measures it; a straggler is a bright row. Not the ranks' step times: they "
+                  "wait for each other in the collectives, so every rank's step lasts as long as the slowest one's "
+                  "(the Step time plot has it)." + missing + _thinned_note(data), data, draw)
 
 
 def _phases(run: Run, notes: list[str]) -> _Draft | str:
     if not run.timeline:
         return f"phase breakdown: {_NO_TIMELINE}"
-    by_step: dict[int, dict[int, dict]] = {}
-    for rank, rows in run.timeline.items():
-        for row in rows:
-            by_step.setdefault(row["step"], {})[rank] = row
-    steps = sorted(by_step)
-    chosen = [by_step[step][_median_rank({r: row["total_s"] for r, row in by_step[step].items()})] for step in steps]
-    names = {name for row in chosen if isinstance(row.get("phases"), dict) for name in row["phases"]}
-    names = [n for n in PHASES if n in names] + sorted(names - set(PHASES))
+    by_step = _by_step(run)
+    steps = list(by_step)
+    # By lag, not by step time (the same on every rank of a synchronous step): a rank a straggler makes wait.
+    chosen = [rows[_median_rank(_lags(rows) or dict.fromkeys(rows, 0.0))] for rows in by_step.values()]
+    names = _phase_names(chosen)
     if not names:
         return "phase breakdown: the timeline rows have no phases"
     data = _thin({"x": steps, "rank": [row.get("rank") for row in chosen],
@@ -321,8 +366,10 @@ def _phases(run: Run, notes: list[str]) -> _Draft | str:
         stacks = [[0.0 if v is None else v for v in values] for values in data["series"].values()]
         ax.stackplot(data["x"], stacks, labels=list(data["series"]))
         _finish(ax, "seconds")
-    return _Draft("phases", "Where the median rank's step went", "The phases of the rank whose step time is the "
-                  "median at each step, stacked." + _thinned_note(data), data, draw)
+    return _Draft("phases", "Where the median rank's step went", "The phases, stacked, of the rank whose lag (as in "
+                  "Lag behind the median rank) is the median at each step (of an even count the lower middle one): a "
+                  "typical rank, not a straggler, so a straggler shows here as the time this rank waits for it, in "
+                  "the phase whose collective waits." + _thinned_note(data), data, draw)
 
 
 _LAYER_KEY = re.compile(r"moe/layer(\d+)/(max_tokens|mean_tokens|expert_fractions)")
@@ -405,5 +452,5 @@ def _rl_rewards(run: Run, notes: list[str]) -> _Draft | str:
                   "deviation (band), and each reward function's mean (reward/NAME).", data, draw)
 
 
-_BUILDERS = [_loss, _learning_rate, _grad_norm, _throughput, _step_time, _memory, _rank_heatmap, _phases,
+_BUILDERS = [_loss, _learning_rate, _grad_norm, _throughput, _step_time, _memory, _rank_lag, _phases,
              _moe_balance, _expert_load, _evaluation, _rl_rewards]

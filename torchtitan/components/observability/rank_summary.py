@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from torchtitan.components.observability.lag import lag_behind, phase_end_lags
 from torchtitan.components.observability.step_phases import PHASES, StepTimes
 from torchtitan.config.job_config import Observability
 from torchtitan.log import logger
@@ -161,25 +162,23 @@ class StragglerDetector:
     def check(self, step: int, starts: torch.Tensor, phases: torch.Tensor) -> list[float]:
         """One step: ``starts`` (ranks,) unix seconds, ``phases`` (ranks, len(PHASES)) seconds; returns each rank's
         largest lag behind the median rank at a phase's end (0 for one never behind)."""
-        # When each rank reaches the end of each phase, relative to the median rank (column 0: the step start).
-        ends = torch.cat([starts[:, None], starts[:, None] + phases.cumsum(dim=1)], dim=1)
-        # torch's median of an even count is the lower middle one: of two ranks, the one ahead.
-        lag = ends - ends.median(dim=0, keepdim=True).values
+        lag = phase_end_lags(starts.tolist(), phases.tolist())
         median_step = statistics.median(phases.sum(dim=1).tolist())
         threshold = self.cfg.straggler_fraction * median_step
         lags = []
         for rank in range(len(self.hosts)):
-            worst = float(lag[rank, 1:].max())
-            lags.append(max(worst, 0.0))
+            worst = lag_behind(lag[rank])
+            lags.append(worst)
             if worst <= threshold:
                 self.behind[rank] = 0
                 continue
             self.behind[rank] += 1
             if self.behind[rank] == self.cfg.straggler_steps:
                 self.events += 1
-                growth = lag[rank, 1:] - lag[rank, :-1]
+                growth = [later - earlier for earlier, later in zip(lag[rank], lag[rank][1:])]
                 # Late from the start with no phase adding to it: the lag came from the end of the step before.
-                phase = PHASES[int(growth.argmax())] if growth.max() > 0 else "the previous step's last phases"
+                phase = (PHASES[max(range(len(PHASES)), key=growth.__getitem__)] if max(growth) > 0
+                         else "the previous step's last phases")
                 self.named.append((rank, phase, step))
                 first = step - self.cfg.straggler_steps + 1
                 logger.warning(
