@@ -73,11 +73,13 @@ def watchdog(tmp_path, clock, timeout=0.0, train_timeout=100.0, poll=3600.0, **c
     (6.5, 1000, 65.0),
     (9.0, 100, 80.0),  # 90 s: capped at 0.8x the collective timeout
     (50.0, 200, 160.0),
-    (1.0, 20, 16.0),  # the cap wins over the floor: the stacks must come before the collective timeout
-    (0.1, 30, 24.0),
+    (1.0, 40, 30.0),  # the floor below the cap
+    (1.0, 20, 14.0),  # the cap wins over the floor: the stacks must come before the collective timeout, with 6 s
+    (0.1, 30, 24.0),  # for the thread's poll and the NCCL dump (here 0.8x leaves exactly that)
+    (2.0, 10, 4.0),
 ])
-def test_the_automatic_timeout_is_ten_median_steps_within_30_s_and_0_8_collective_timeouts(median, train_timeout,
-                                                                                         expected):
+def test_the_automatic_timeout_is_ten_median_steps_within_30_s_and_the_collective_timeouts_cap(median,
+                                                                                             train_timeout, expected):
     steps = [median * 0.5, median, median * 3]  # the median is taken, not the mean
     assert auto_timeout(steps, train_timeout) == pytest.approx(expected)
 
@@ -318,12 +320,23 @@ def test_the_watchdog_off_starts_no_thread(tmp_path):
     assert "hang-watchdog" not in {t.name for t in threading.enumerate()}
 
 
+ABOVE = "is above {largest}, the largest valid value: comm.train_timeout_seconds = {train} less 6 s (the watchdog " \
+        "looks every 1 s and the NCCL flight recorder's dump may take 5 s), so that the stacks come before the " \
+        "collective timeout ends the job; lower it (0: automatic) or raise comm.train_timeout_seconds"
+
+
 @pytest.mark.parametrize("settings,train_timeout,expected", [
+    # Two values each side of the largest valid one (the collective timeout less the poll and the NCCL dump).
     ({"hang_timeout_seconds": 100.0}, 100, ("observability.hang_timeout_seconds",
-                                            "is not below comm.train_timeout_seconds = 100: the collective timeout "
-                                            "would end the job first")),
+                                            ABOVE.format(largest=94, train=100))),
+    ({"hang_timeout_seconds": 94.5}, 100, ("observability.hang_timeout_seconds",
+                                           ABOVE.format(largest=94, train=100))),
+    ({"hang_timeout_seconds": 54.01}, 60, ("observability.hang_timeout_seconds",
+                                           ABOVE.format(largest=54, train=60))),
     ({"hang_timeout_seconds": 250.0}, 200, ("observability.hang_timeout_seconds",
-                                            "is not below comm.train_timeout_seconds = 200")),
+                                            ABOVE.format(largest=194, train=200))),
+    ({}, 6, ("comm.train_timeout_seconds", "leaves the hang watchdog no time: it needs more than 6 s")),
+    ({"hang_timeout_seconds": 1.0}, 3, ("comm.train_timeout_seconds", "leaves the hang watchdog no time")),
     ({"hang_timeout_seconds": -1.0}, 100, ("observability.hang_timeout_seconds", "is invalid; it must be >= 0")),
     ({"hang_timeout_seconds": float("nan")}, 100, ("observability.hang_timeout_seconds",
                                                    "is invalid; it must be >= 0")),
@@ -335,12 +348,14 @@ def test_the_watchdog_off_starts_no_thread(tmp_path):
 def test_config_problems(settings, train_timeout, expected):
     problems = config_problems(Observability(**settings), Comm(train_timeout_seconds=train_timeout))
     assert len(problems) == 1
-    assert problems[0][0] == expected[0] and expected[1] in problems[0][1]
+    assert problems[0][0] == expected[0] and expected[1] in problems[0][1], problems
 
 
-@pytest.mark.parametrize("settings,train_timeout", [({}, 100), ({"hang_timeout_seconds": 99.0}, 100),
+@pytest.mark.parametrize("settings,train_timeout", [({}, 100), ({"hang_timeout_seconds": 94.0}, 100),
+                                                    ({"hang_timeout_seconds": 93.5}, 100),
+                                                    ({"hang_timeout_seconds": 54.0}, 60),
                                                     ({"hang_timeout_seconds": 5.0, "hang_exit": True}, 60),
-                                                    ({"hang_watchdog": False}, 10),
+                                                    ({}, 7), ({"hang_watchdog": False}, 6),
                                                     ({"hang_timeout_seconds": 500.0}, 600)])
 def test_config_problems_accept_good_settings(settings, train_timeout):
     assert config_problems(Observability(**settings), Comm(train_timeout_seconds=train_timeout)) == []
@@ -348,14 +363,14 @@ def test_config_problems_accept_good_settings(settings, train_timeout):
 
 @pytest.mark.parametrize("flags,expected", [
     (["--observability.hang_timeout_seconds", "120"],
-     "observability.hang_timeout_seconds = 120.0 is not below comm.train_timeout_seconds = 100"),
-    (["--observability.hang_timeout_seconds", "30", "--comm.train_timeout_seconds", "20"],
-     "observability.hang_timeout_seconds = 30.0 is not below comm.train_timeout_seconds = 20"),
+     "observability.hang_timeout_seconds = 120.0 " + ABOVE.format(largest=94, train=100)),
+    (["--observability.hang_timeout_seconds", "15", "--comm.train_timeout_seconds", "20"],
+     "observability.hang_timeout_seconds = 15.0 " + ABOVE.format(largest=14, train=20)),
     (["--observability.hang_exit", "--observability.no_hang_watchdog"],
      "observability.hang_exit = True needs observability.hang_watchdog"),
 ])
-def test_the_trainer_refuses_a_hang_timeout_at_or_above_the_collective_timeout_in_one_line(flags, expected, capsys,
-                                                                                          tmp_path):
+def test_the_trainer_refuses_a_hang_timeout_too_close_to_the_collective_timeout_in_one_line(flags, expected, capsys,
+                                                                                           tmp_path):
     from torchtitan.train import main
 
     code = main(["--job.config_file", "train_configs/tiny.toml", f"--job.dump_folder={tmp_path}", *flags])

@@ -336,7 +336,8 @@ class Observability:
     hang_watchdog: bool = option(True, "Write every thread's stack when no step finishes within the hang timeout")
     hang_timeout_seconds: float = option(
         0.0, "Seconds without progress before the watchdog fires; 0: 10x the median step, at least 30 s and at most "
-        "0.8x comm.train_timeout_seconds (it must fire before the collective timeout ends the job without stacks)")
+        "0.8x comm.train_timeout_seconds; either way at most comm.train_timeout_seconds - 6 (its 1 s poll and 5 s "
+        "NCCL dump must end before the collective timeout ends the job without stacks)")
     hang_exit: bool = option(False, "End the job after writing the stacks, so a scheduler can requeue it")
 
 

@@ -15,8 +15,9 @@ It fires once per hang; a later progress call re-arms it.
 Arming: the first step compiles and warms up (its collectives run under comm.init_timeout_seconds), so nothing
 fires before a first step finished in this process. An explicit hang_timeout_seconds applies from then on; the
 automatic one (hang_timeout_seconds = 0) once three steps finished: 10x the median duration of the finished steps
-(the first left out), at least 30 s and at most 0.8x comm.train_timeout_seconds. It must stay below the collective
-timeout, which otherwise ends the job first, without stacks (config_problems checks the pair).
+(the first left out), at least 30 s and at most 0.8x comm.train_timeout_seconds. Either must leave POLL_SECONDS +
+NCCL_DUMP_WAIT_SECONDS before the collective timeout, which otherwise ends the job first, without stacks: the thread
+notices a hang up to a poll late and the NCCL dump may take that long (config_problems checks the pair).
 
 Validation, task evaluation and checkpoint saves run inside ``paused()``: their length is not a step's, so the
 watchdog neither fires during them nor counts them; a hang there is left to the collective timeout. The trainer
@@ -48,11 +49,26 @@ from torchtitan.log import logger, one_line
 HANG_EXIT_CODE = 3  # the process status with hang_exit (1: a training error, 2: bad input)
 AUTO_MULTIPLE = 10.0  # the automatic timeout: this many median steps ...
 AUTO_MIN_SECONDS = 30.0  # ... at least this long ...
-AUTO_MAX_FRACTION = 0.8  # ... and at most this fraction of comm.train_timeout_seconds
+CAP_FRACTION = 0.8  # ... and at most this fraction of the collective timeout (capped())
 AUTO_MIN_STEPS = 3  # steps finished before the automatic timeout arms
 POLL_SECONDS = 1.0  # how often the thread looks (how late past the timeout it may fire)
 NCCL_DUMP_WAIT_SECONDS = 5.0  # the flight recorder's dump takes its lock: never let it hold the exit up longer
 _DURATIONS_KEPT = 100  # the median is over the last this many steps
+_MARGIN_SECONDS = POLL_SECONDS + NCCL_DUMP_WAIT_SECONDS
+_MARGIN = (f"the watchdog looks every {POLL_SECONDS:g} s and the NCCL flight recorder's dump may take "
+           f"{NCCL_DUMP_WAIT_SECONDS:g} s")
+
+
+def largest_timeout(collective_timeout_seconds: float) -> float:
+    """The longest hang timeout under this collective timeout: a hang is noticed up to POLL_SECONDS late and its
+    NCCL dump may take NCCL_DUMP_WAIT_SECONDS, all before the collective timeout ends the job without stacks."""
+    return collective_timeout_seconds - _MARGIN_SECONDS
+
+
+def capped(collective_timeout_seconds: float) -> float:
+    """The longest timeout the watchdog picks itself under this collective timeout (the automatic one, the
+    report-only ones): CAP_FRACTION of it, within the margin of largest_timeout."""
+    return min(CAP_FRACTION * collective_timeout_seconds, largest_timeout(collective_timeout_seconds))
 
 
 def config_problems(observability: Observability, comm: Comm) -> list[tuple[str, str]]:
@@ -62,12 +78,19 @@ def config_problems(observability: Observability, comm: Comm) -> list[tuple[str,
     key = "observability.hang_timeout_seconds"
     problems = []
     if not math.isfinite(timeout) or timeout < 0:
-        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, within [30 s, 0.8x "
-                              "comm.train_timeout_seconds])"))
-    elif on and timeout >= comm.train_timeout_seconds:
-        problems.append((key, f"is not below comm.train_timeout_seconds = {comm.train_timeout_seconds}: the "
-                              "collective timeout would end the job first, without stacks; lower it (0: automatic) "
-                              "or raise comm.train_timeout_seconds"))
+        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, at least 30 s, at most "
+                              f"0.8x comm.train_timeout_seconds and {_MARGIN_SECONDS:g} s below it)"))
+    elif on and largest_timeout(comm.train_timeout_seconds) <= 0:
+        problems.append(("comm.train_timeout_seconds", f"leaves the hang watchdog no time: it needs more than "
+                                                       f"{_MARGIN_SECONDS:g} s ({_MARGIN}) before the collective "
+                                                       f"timeout ends the job; raise it above {_MARGIN_SECONDS:g} or "
+                                                       "turn observability.hang_watchdog off"))
+    elif on and timeout > largest_timeout(comm.train_timeout_seconds):
+        largest = largest_timeout(comm.train_timeout_seconds)
+        problems.append((key, f"is above {largest:g}, the largest valid value: comm.train_timeout_seconds = "
+                              f"{comm.train_timeout_seconds} less {_MARGIN_SECONDS:g} s ({_MARGIN}), so that the "
+                              "stacks come before the collective timeout ends the job; lower it (0: automatic) or "
+                              "raise comm.train_timeout_seconds"))
     elif not on and timeout != 0:
         problems.append((key, "is set but observability.hang_watchdog is off, which would ignore it; turn the "
                               "watchdog on or leave it at 0"))
@@ -81,7 +104,7 @@ def auto_timeout(step_seconds: list[float], train_timeout_seconds: float) -> flo
     """The automatic hang timeout for steps of these durations; the cap wins over the floor, so a short collective
     timeout still gets stacks first."""
     wanted = max(AUTO_MULTIPLE * statistics.median(step_seconds), AUTO_MIN_SECONDS)
-    return min(wanted, AUTO_MAX_FRACTION * train_timeout_seconds)
+    return min(wanted, capped(train_timeout_seconds))
 
 
 class HangWatchdog:
