@@ -226,7 +226,7 @@ class Trainer:
         )
         # Every rank's step phases and memory, summarised each log step beside the planner's memory prediction.
         self.observer = RunObserver(cfg.observability, cfg.job.dump_folder, self.rank, self.device,
-                                    cfg.metrics.log_freq, self._planned_memory(), cfg.comm.train_timeout_seconds)
+                                    cfg.metrics.log_freq, self._planned_memory(), cfg.comm)
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
