@@ -226,7 +226,7 @@ class Trainer:
         )
         # Every rank's step phases and memory, summarised each log step beside the planner's memory prediction.
         self.observer = RunObserver(cfg.observability, cfg.job.dump_folder, self.rank, self.device,
-                                    cfg.metrics.log_freq, self._planned_memory(), cfg.comm.train_timeout_seconds)
+                                    cfg.metrics.log_freq, self._planned_memory(), cfg.comm)
         if self.rank == 0:
             save_provenance(cfg.job.dump_folder, self.parallel_dims.layout(), self.device,
                             compute_dtype={"dtype": training.mixed_precision_param, "why": self.compute_dtype_reason})
@@ -440,7 +440,7 @@ class Trainer:
                 self.checkpointer.poll()
                 saved = self.checkpointer.should_save(step, cfg.steps)
                 if saved:
-                    with self.observer.paused():
+                    with self.observer.paused("a checkpoint save"):
                         self.checkpointer.save(step, cfg.steps)
                 self.observer.mark("checkpoint")
                 self.observer.end_step(step)
@@ -456,7 +456,7 @@ class Trainer:
         logger.info(f"training finished after {cfg.steps} steps")
 
     def _stop_for_preemption(self, step: int, saved: bool) -> None:
-        with self.observer.paused():
+        with self.observer.paused("the checkpoint save before stopping"):
             if self.cfg.checkpoint.enable and not saved:
                 self.checkpointer.save(step, self.cfg.training.steps)
             self.checkpointer.wait()
@@ -482,10 +482,10 @@ class Trainer:
             self.metrics.log(step, loss_value, norm_value, lr, extra)
         self.observer.mark("logging")
         if self.validator is not None and self.validator.should_validate(step):
-            with self.observer.paused():
+            with self.observer.paused("validation"):
                 self.metrics.log_validation(step, self.validator.validate(self.model_parts, step))
         if self.task_eval is not None and self.task_eval.should_run(step):
-            with self.observer.paused():
+            with self.observer.paused("task evaluation"):
                 self.metrics.log_eval(step, self.task_eval.run(self.model_parts))
         self.observer.mark("evaluation")
 

@@ -136,3 +136,47 @@ def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_a
     assert watchdog._step == 3 and watchdog._steps == 3
     durations = list(watchdog._durations)  # steps 2 and 3 (the first warms up), each the data wait and the step
     assert len(durations) == 2 and all(0 < d < 60 for d in durations), durations
+
+
+def test_the_trainers_pauses_are_watched_with_a_long_timeout_and_only_reported_even_with_hang_exit(tmp_path,
+                                                                                                  monkeypatch):
+    """In process: comm.train_timeout_seconds = 8 makes the pauses' timeout min(0.8x 8, 8 - 6) = 2 s; a validation
+    and a checkpoint save slowed past it are each reported once (stacks and a line saying why the process is not
+    ended), and with hang_exit nothing ends the process; training goes on to its last step."""
+    from tests.integration.test_training import make_trainer
+    from torchtitan.components.observability import hang_watchdog, observer
+
+    exits, lines = [], []
+    monkeypatch.setattr(hang_watchdog.os, "_exit", exits.append)
+    monkeypatch.setattr(hang_watchdog.logger, "warning", lambda line: lines.append(line))
+    monkeypatch.setattr(observer, "HangWatchdog", functools.partial(HangWatchdog, poll_seconds=0.05))
+    trainer = make_trainer(tmp_path, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
+                           "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                           "--comm.train_timeout_seconds", "8", "--observability.hang_exit")
+    slowed = []
+
+    def slow_first_call(name, call):
+        def slow(*args, **kwargs):
+            if name not in slowed:
+                slowed.append(name)
+                time.sleep(3)
+            return call(*args, **kwargs)
+        return slow
+
+    trainer.validator.validate = slow_first_call("validation", trainer.validator.validate)
+    trainer.checkpointer.save = slow_first_call("save", trainer.checkpointer.save)
+    watchdog = trainer.observer.watchdog
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert slowed == ["validation", "save"] and trainer.step == 3
+    hangs = [line for line in lines if line.startswith("hang: ")]
+    assert exits == [] and watchdog.fired == len(hangs) >= 2, lines
+    # Step 2's validation runs in its evaluation phase, its save in its checkpoint phase; step 2 is not finished.
+    for phase in ("evaluation", "checkpoint"):
+        assert any(f"(timeout 2 s) after step 1, in phase {phase}, during " in line for line in hangs), hangs
+    for line in hangs:
+        assert line.endswith("the collective timeout (comm.train_timeout_seconds = 8 s) ends a real hang"), line
+        assert "only reported, the process is not ended" in line and "ending the process" not in line
+    assert (tmp_path / "hangs" / "rank0.txt").read_text().count("=== hang watchdog") == len(hangs)

@@ -1,26 +1,32 @@
 """The hang watchdog (observability.hang_watchdog): a daemon thread per rank that notices when training stopped
 making progress, and says where each rank is before the job is torn down.
 
-The trainer calls ``progress`` at every step's end (with the step's duration) and may call it at phase
-boundaries; each call restarts the clock. When no call came for the hang timeout, the thread
+The trainer calls ``progress`` at every step's end (with the step's duration) and at phase boundaries; each call,
+like entering or leaving ``paused()``, restarts the clock. When none came for the timeout in effect, the thread
 - appends every thread's Python stack to ``{dump_folder}/hangs/rank{R}.txt``, the training thread's first, with
-  the last finished step, the seconds since the last progress and the phase last entered;
+  the last finished step, the seconds since the last progress, the phase last entered and the paused work;
 - on CUDA with the NCCL flight recorder on (TORCH_NCCL_TRACE_BUFFER_SIZE > 0), writes its dump (a pickle) to
   ``hangs/nccl_trace/rank{R}``;
 - logs one warning line naming where the training thread is;
-- with observability.hang_exit, ends the process with HANG_EXIT_CODE so torchrun tears the job down and a
-  scheduler may requeue it.
-It fires once per hang; a later progress call re-arms it.
+- with observability.hang_exit, and outside the report-only situations below, ends the process with
+  HANG_EXIT_CODE so torchrun tears the job down and a scheduler may requeue it.
+It fires once per hang; later progress re-arms it.
 
-Arming: the first step compiles and warms up (its collectives run under comm.init_timeout_seconds), so nothing
-fires before a first step finished in this process. An explicit hang_timeout_seconds applies from then on; the
-automatic one (hang_timeout_seconds = 0) once three steps finished: 10x the median duration of the finished steps
-(the first left out), at least 30 s and at most 0.8x comm.train_timeout_seconds. It must stay below the collective
-timeout, which otherwise ends the job first, without stacks (config_problems checks the pair).
-
-Validation, task evaluation and checkpoint saves run inside ``paused()``: their length is not a step's, so the
-watchdog neither fires during them nor counts them; a hang there is left to the collective timeout. The trainer
-closes the watchdog when train() returns: the teardown after the last step is not a step either.
+The timeout in effect, from the watchdog's start (the trainer builds it after the process group, before loading a
+checkpoint):
+- before this process finished a step (loading a checkpoint, the first step's compilation and NCCL setup, whose
+  collectives run under comm.init_timeout_seconds): capped(comm.init_timeout_seconds), report-only;
+- inside ``paused()`` (checkpoint saves, validation, task evaluation), once a step finished: capped(
+  comm.train_timeout_seconds), report-only;
+- otherwise an explicit hang_timeout_seconds; the automatic one (hang_timeout_seconds = 0) once three steps
+  finished: 10x the median duration of the finished steps (the first left out), at least 30 s and at most
+  capped(comm.train_timeout_seconds); nothing before.
+Report-only: those may legitimately be long (a first compilation, a long validation), so a hang there is reported
+but the process not ended, even with hang_exit; the collective timeout ends a real one. capped() is 0.8x the
+collective timeout, and every timeout leaves POLL_SECONDS + NCCL_DUMP_WAIT_SECONDS before it, which otherwise ends
+the job first, without stacks: the thread notices a hang up to a poll late and the NCCL dump may take that long
+(config_problems checks an explicit timeout). The trainer closes the watchdog when train() returns: the teardown
+after the last step is not watched.
 """
 
 from __future__ import annotations
@@ -48,11 +54,28 @@ from torchtitan.log import logger, one_line
 HANG_EXIT_CODE = 3  # the process status with hang_exit (1: a training error, 2: bad input)
 AUTO_MULTIPLE = 10.0  # the automatic timeout: this many median steps ...
 AUTO_MIN_SECONDS = 30.0  # ... at least this long ...
-AUTO_MAX_FRACTION = 0.8  # ... and at most this fraction of comm.train_timeout_seconds
+CAP_FRACTION = 0.8  # ... and at most this fraction of the collective timeout (capped())
 AUTO_MIN_STEPS = 3  # steps finished before the automatic timeout arms
 POLL_SECONDS = 1.0  # how often the thread looks (how late past the timeout it may fire)
 NCCL_DUMP_WAIT_SECONDS = 5.0  # the flight recorder's dump takes its lock: never let it hold the exit up longer
 _DURATIONS_KEPT = 100  # the median is over the last this many steps
+PAUSED_WORK = "a checkpoint save, validation or evaluation"  # what a paused() not told what it covers says
+_START = "the start (loading a checkpoint, compiling and setting up the collectives in the first step)"
+_MARGIN_SECONDS = POLL_SECONDS + NCCL_DUMP_WAIT_SECONDS
+_MARGIN = (f"the watchdog looks every {POLL_SECONDS:g} s and the NCCL flight recorder's dump may take "
+           f"{NCCL_DUMP_WAIT_SECONDS:g} s")
+
+
+def largest_timeout(collective_timeout_seconds: float) -> float:
+    """The longest hang timeout under this collective timeout: a hang is noticed up to POLL_SECONDS late and its
+    NCCL dump may take NCCL_DUMP_WAIT_SECONDS, all before the collective timeout ends the job without stacks."""
+    return collective_timeout_seconds - _MARGIN_SECONDS
+
+
+def capped(collective_timeout_seconds: float) -> float:
+    """The longest timeout the watchdog picks itself under this collective timeout (the automatic one, the
+    report-only ones): CAP_FRACTION of it, within the margin of largest_timeout."""
+    return min(CAP_FRACTION * collective_timeout_seconds, largest_timeout(collective_timeout_seconds))
 
 
 def config_problems(observability: Observability, comm: Comm) -> list[tuple[str, str]]:
@@ -62,12 +85,19 @@ def config_problems(observability: Observability, comm: Comm) -> list[tuple[str,
     key = "observability.hang_timeout_seconds"
     problems = []
     if not math.isfinite(timeout) or timeout < 0:
-        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, within [30 s, 0.8x "
-                              "comm.train_timeout_seconds])"))
-    elif on and timeout >= comm.train_timeout_seconds:
-        problems.append((key, f"is not below comm.train_timeout_seconds = {comm.train_timeout_seconds}: the "
-                              "collective timeout would end the job first, without stacks; lower it (0: automatic) "
-                              "or raise comm.train_timeout_seconds"))
+        problems.append((key, "is invalid; it must be >= 0 (0: 10x the median step, at least 30 s, at most "
+                              f"0.8x comm.train_timeout_seconds and {_MARGIN_SECONDS:g} s below it)"))
+    elif on and largest_timeout(comm.train_timeout_seconds) <= 0:
+        problems.append(("comm.train_timeout_seconds", f"leaves the hang watchdog no time: it needs more than "
+                                                       f"{_MARGIN_SECONDS:g} s ({_MARGIN}) before the collective "
+                                                       f"timeout ends the job; raise it above {_MARGIN_SECONDS:g} or "
+                                                       "turn observability.hang_watchdog off"))
+    elif on and timeout > largest_timeout(comm.train_timeout_seconds):
+        largest = largest_timeout(comm.train_timeout_seconds)
+        problems.append((key, f"is above {largest:g}, the largest valid value: comm.train_timeout_seconds = "
+                              f"{comm.train_timeout_seconds} less {_MARGIN_SECONDS:g} s ({_MARGIN}), so that the "
+                              "stacks come before the collective timeout ends the job; lower it (0: automatic) or "
+                              "raise comm.train_timeout_seconds"))
     elif not on and timeout != 0:
         problems.append((key, "is set but observability.hang_watchdog is off, which would ignore it; turn the "
                               "watchdog on or leave it at 0"))
@@ -81,16 +111,19 @@ def auto_timeout(step_seconds: list[float], train_timeout_seconds: float) -> flo
     """The automatic hang timeout for steps of these durations; the cap wins over the floor, so a short collective
     timeout still gets stacks first."""
     wanted = max(AUTO_MULTIPLE * statistics.median(step_seconds), AUTO_MIN_SECONDS)
-    return min(wanted, AUTO_MAX_FRACTION * train_timeout_seconds)
+    return min(wanted, capped(train_timeout_seconds))
 
 
 class HangWatchdog:
     """See the module doc. ``clock`` and ``poll_seconds`` are for tests."""
 
-    def __init__(self, cfg: Observability, train_timeout_seconds: float, dump_folder: str, rank: int,
-                 device: torch.device, *, clock=time.monotonic, poll_seconds: float = POLL_SECONDS):
+    def __init__(self, cfg: Observability, train_timeout_seconds: float, init_timeout_seconds: float,
+                 dump_folder: str, rank: int, device: torch.device, *, clock=time.monotonic,
+                 poll_seconds: float = POLL_SECONDS, exit_grace_seconds: float = 2 * POLL_SECONDS):
         self.cfg = cfg
+        self.exit_grace_seconds = exit_grace_seconds
         self.train_timeout_seconds = train_timeout_seconds
+        self.init_timeout_seconds = init_timeout_seconds
         self.folder = Path(dump_folder) / "hangs"
         self.rank = rank
         self.device = device
@@ -102,7 +135,7 @@ class HangWatchdog:
         self._step: int | None = None  # the last finished step's number
         self._phase: str | None = None
         self._durations: deque[float] = deque(maxlen=_DURATIONS_KEPT)
-        self._paused = 0
+        self._paused: list[str] = []  # the work of each paused() the training thread is in, innermost last
         self._reported = False  # the current hang has been reported
         # The thread whose stack matters most: the one training (the trainer builds the watchdog there).
         self._watched = threading.get_ident()
@@ -117,8 +150,7 @@ class HangWatchdog:
         """Training moved on: at a phase boundary (``phase``: the phase entered) or at a step's end (``step``: its
         number; ``step_seconds``: its duration, which the automatic timeout is the median of)."""
         with self._lock:
-            self._last = self.clock()
-            self._reported = False
+            self._moved_on()
             if step is not None:
                 self._steps += 1
                 self._step = step
@@ -129,40 +161,65 @@ class HangWatchdog:
                 self._phase = phase
 
     @contextlib.contextmanager
-    def paused(self):
-        """Work whose length is not a step's (validation, evaluation, checkpoint saves): no firing inside, and
-        its time does not count towards the timeout."""
+    def paused(self, what: str = PAUSED_WORK):
+        """Around work whose length is not a step's (``what``: a checkpoint save, validation, evaluation, as the
+        log line names it): inside, only a hang past the long report-only timeout is reported; entering and
+        leaving are progress."""
         with self._lock:
-            self._paused += 1
+            self._paused.append(what)
+            self._moved_on()
         try:
             yield
         finally:
             with self._lock:
-                self._paused -= 1
-                self._last = self.clock()
+                self._paused.pop()
+                self._moved_on()
 
     def timeout(self) -> float | None:
-        """Seconds without progress that count as a hang; None while not armed."""
-        if self._steps < 1:
-            return None
+        """Seconds without progress that count as a hang now; None while not watched."""
+        return self._rule()[0]
+
+    def _rule(self) -> tuple[float | None, str | None]:
+        """The timeout in effect (None: not watched) and, where a hang is only reported (the process is never
+        ended there), the log line's clause saying why (None: the normal rules)."""
+        if self._steps < 1 or self._paused:
+            # Legitimately long at times (a first compilation, a long validation): a timeout just inside the
+            # collective timeout in effect there, which is what ends a real hang.
+            field, seconds = (("comm.init_timeout_seconds", self.init_timeout_seconds) if self._steps < 1
+                              else ("comm.train_timeout_seconds", self.train_timeout_seconds))
+            timeout = capped(seconds)
+            if timeout <= 0:  # a collective timeout too short to get stacks before it
+                return None, None
+            work = self._paused[-1] if self._paused else _START
+            return timeout, (f"; only reported, the process is not ended: {work} may legitimately take long, and "
+                             f"the collective timeout ({field} = {seconds:g} s) ends a real hang")
         if self.cfg.hang_timeout_seconds > 0:
-            return self.cfg.hang_timeout_seconds
+            return self.cfg.hang_timeout_seconds, None
         if self._steps < AUTO_MIN_STEPS or not self._durations:
-            return None
-        return auto_timeout(list(self._durations), self.train_timeout_seconds)
+            return None, None
+        return auto_timeout(list(self._durations), self.train_timeout_seconds), None
 
     def check(self) -> bool:
         """Report a hang if there is one not yet reported; whether it did (the thread calls this)."""
         with self._lock:
-            timeout = self.timeout()
+            timeout, report_only = self._rule()
             idle = self.clock() - self._last
-            if self._reported or self._paused or timeout is None or idle < timeout or self._stop.is_set():
+            if self._reported or timeout is None or idle < timeout or self._stop.is_set():
                 return False
             self._reported = True
-            step, phase = self._step, self._phase
+            where = f"after step {self._step}" if self._steps else "before this process's first step finished"
+            if self._phase:
+                where += f", in phase {self._phase}"
+            if self._paused:
+                where += f", during {self._paused[-1]}"
         self.fired += 1
-        self._report(step, phase, idle, timeout)
+        self._report(where, idle, timeout, report_only)
         return True
+
+    def _moved_on(self) -> None:
+        """Progress (the caller holds the lock): the clock restarts and a later hang is a new one."""
+        self._last = self.clock()
+        self._reported = False
 
     def close(self) -> None:
         self._stop.set()
@@ -178,20 +235,25 @@ class HangWatchdog:
                 logger.warning(f"the hang watchdog stopped: {one_line(e)}")
                 return
 
-    def _report(self, step: int | None, phase: str | None, idle: float, timeout: float) -> None:
-        after = f"after step {step}" + (f", in phase {phase}" if phase else "")
+    def _report(self, when: str, idle: float, timeout: float, report_only: str | None) -> None:
+        """``when``: the last finished step, the phase, the paused work; ``report_only``: None, or the clause
+        saying why the process is not ended."""
         stacks = self.folder / f"rank{self.rank}.txt"
         try:
-            where = self._write_stacks(stacks, f"no progress for {idle:.1f} s (timeout {timeout:g} s) {after}")
+            where = self._write_stacks(stacks, f"no progress for {idle:.1f} s (timeout {timeout:g} s) {when}")
             wrote = f"every thread's stack in {stacks}"
         except Exception as e:  # the line below must still say what is known
             where, wrote = "an unknown place", f"writing {stacks} failed: {one_line(e)}"
         nccl = self._dump_flight_recorder()
-        ending = f"; ending the process (exit code {HANG_EXIT_CODE})" if self.cfg.hang_exit else ""
-        logger.warning(f"hang: rank {self.rank} made no progress for {idle:.1f} s (timeout {timeout:g} s) {after}; "
+        end = self.cfg.hang_exit and not report_only
+        ending = report_only or (f"; ending the process (exit code {HANG_EXIT_CODE})" if end else "")
+        logger.warning(f"hang: rank {self.rank} made no progress for {idle:.1f} s (timeout {timeout:g} s) {when}; "
                        f"the training thread is at {where}; {wrote}{nccl}{ending}")
-        if self.cfg.hang_exit:
+        if end:
             _flush_output()
+            # The peers' watchdogs fire within a poll or so of ours (they wait for this rank since about when it
+            # stopped); ending at once would fail their collective before they wrote their stacks.
+            time.sleep(self.exit_grace_seconds)
             # The training thread is stuck, possibly inside C++: only ending the process from here works.
             os._exit(HANG_EXIT_CODE)
 

@@ -9,17 +9,18 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.observability.hang_watchdog import HangWatchdog
+from torchtitan.components.observability.hang_watchdog import PAUSED_WORK, HangWatchdog
 from torchtitan.components.observability.rank_summary import RankSummary, memory_readings
 from torchtitan.components.observability.step_phases import PHASES, StepPhases
-from torchtitan.config.job_config import Observability
+from torchtitan.config.job_config import Comm, Observability
 
 
 class RunObserver:
     def __init__(self, cfg: Observability, dump_folder: str, rank: int, device: torch.device, log_freq: int,
-                 planned_memory: dict[str, float] | None, train_timeout_seconds: float):
+                 planned_memory: dict[str, float] | None, comm: Comm):
         """``planned_memory``: the planner's GiB per part and "total" for this config (None: it could not plan)."""
-        self.watchdog = HangWatchdog(cfg, train_timeout_seconds, dump_folder, rank, device)
+        self.watchdog = HangWatchdog(cfg, comm.train_timeout_seconds, comm.init_timeout_seconds, dump_folder, rank,
+                                     device)
         self.step_start = None
         self.enabled = cfg.record_phases
         self.rank = rank
@@ -49,10 +50,10 @@ class RunObserver:
         following = PHASES.index(phase) + 1
         self.watchdog.progress(phase=PHASES[following] if following < len(PHASES) else "the step's end")
 
-    def paused(self) -> contextlib.AbstractContextManager:
-        """Around work whose length is not a step's (validation, evaluation, checkpoint saves): the hang watchdog
-        neither fires inside nor counts it."""
-        return self.watchdog.paused()
+    def paused(self, what: str = PAUSED_WORK) -> contextlib.AbstractContextManager:
+        """Around work whose length is not a step's (``what``: a checkpoint save, validation, evaluation): the hang
+        watchdog only reports a hang inside, after a long timeout, and never ends the process there."""
+        return self.watchdog.paused(what)
 
     def abandon_step(self) -> None:
         self.phases.abandon()
