@@ -260,7 +260,7 @@ def test_the_observer_builds_the_watchdog_from_comm_and_passes_the_pauses_label(
     assert run.watchdog.timeout() == 120.0
     run.begin_step(1)
     run.mark("data")
-    run.end_step(1, summarise=False)
+    run.end_step(1)
     for label, expected in (("task evaluation", "task evaluation"), (None, PAUSED_WORK)):
         with run.paused(label) if label else run.paused():
             assert run.watchdog.timeout() == 40.0
