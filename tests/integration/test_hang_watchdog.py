@@ -101,6 +101,7 @@ def test_without_hang_exit_the_stacks_are_written_and_the_job_is_left_running(tm
     assert "ending the process" not in out
 
 
+@pytest.mark.slow  # a trainer in process, waiting past the timeout on purpose
 def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_and_saves(tmp_path, monkeypatch):
     """In process: a validation and a checkpoint save each take longer than the hang timeout (slowed on purpose)
     and fire nothing; the watchdog got every step's end and duration, and stops when training returns."""
@@ -138,6 +139,7 @@ def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_a
     assert len(durations) == 2 and all(0 < d < 60 for d in durations), durations
 
 
+@pytest.mark.slow  # a trainer in process, waiting past the timeout on purpose
 def test_the_trainers_pauses_are_watched_with_a_long_timeout_and_only_reported_even_with_hang_exit(tmp_path,
                                                                                                   monkeypatch):
     """In process: comm.train_timeout_seconds = 8 makes the pauses' timeout min(0.8x 8, 8 - 6) = 2 s; a validation
