@@ -74,7 +74,9 @@ def test_chunked_form_equals_transformers_on_single_document_rows():
     q, k, v, g, beta = random_inputs(2, 200, 4, 16, 8, torch.float32, gen)
     theirs, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False)
     ours, _ = gated_delta_rule(q * 16**-0.5, k, v, g, beta)  # it scales the queries by 1/sqrt(K) itself
-    assert (ours - theirs).abs().max() <= 1e-5
+    # Both in float32 over 200 tokens: against our float64 result transformers' own rounding alone reaches 7.8e-6 on
+    # outputs up to about 2 (300 random draws), so a fixed 1e-5 failed now and then; the bound is relative.
+    assert (ours - theirs).abs().max() <= 2e-5 * theirs.abs().max().clamp(min=1)
 
 
 def test_a_span_is_an_affine_map_of_its_incoming_state():

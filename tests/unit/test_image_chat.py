@@ -104,7 +104,11 @@ def test_jsonl_paths_parquet_bytes_and_an_image_column_give_the_same_batches_of_
             ids = batch.document_ids[row]
             patches = [image_patches(pictures[k].convert("RGB"), PATCHING) for k in range(len(pictures))]
             row_patches, row_grids = [], []
-            for document in ids.unique().tolist()[:-1]:  # the last document is the padding
+            documents = ids.unique().tolist()
+            pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+            if (batch.input_ids[row][ids == documents[-1]] == pad).all():  # the padding, unless the row is full
+                documents = documents[:-1]
+            for document in documents:
                 messages, images = next(expected)
                 at = ids == document
                 tokens = batch.input_ids[row][at]
