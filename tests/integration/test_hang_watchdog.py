@@ -101,6 +101,24 @@ def test_without_hang_exit_the_stacks_are_written_and_the_job_is_left_running(tm
     assert "ending the process" not in out
 
 
+def slow_first_validation_and_save(trainer, seconds: float) -> list[str]:
+    """Make the trainer's first validation and first checkpoint save each sleep ``seconds`` first; returns the list
+    they append their names to as they do."""
+    slowed = []
+
+    def slow_first_call(name, call):
+        def slow(*args, **kwargs):
+            if name not in slowed:
+                slowed.append(name)
+                time.sleep(seconds)
+            return call(*args, **kwargs)
+        return slow
+
+    trainer.validator.validate = slow_first_call("validation", trainer.validator.validate)
+    trainer.checkpointer.save = slow_first_call("save", trainer.checkpointer.save)
+    return slowed
+
+
 @pytest.mark.slow  # a trainer in process, waiting past the timeout on purpose
 def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_and_saves(tmp_path, monkeypatch):
     """In process: a validation and a checkpoint save each take longer than the hang timeout (slowed on purpose)
@@ -114,18 +132,7 @@ def test_the_trainer_feeds_the_watchdog_each_step_and_pauses_it_for_validation_a
     trainer = make_trainer(tmp_path, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
                            "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
                            "--observability.hang_timeout_seconds", str(TIMEOUT_IN_PROCESS))
-    slowed = []
-
-    def slow_first_call(name, call):
-        def slow(*args, **kwargs):
-            if name not in slowed:
-                slowed.append(name)
-                time.sleep(TIMEOUT_IN_PROCESS + 0.5)
-            return call(*args, **kwargs)
-        return slow
-
-    trainer.validator.validate = slow_first_call("validation", trainer.validator.validate)
-    trainer.checkpointer.save = slow_first_call("save", trainer.checkpointer.save)
+    slowed = slow_first_validation_and_save(trainer, TIMEOUT_IN_PROCESS + 0.5)
     watchdog = trainer.observer.watchdog
     try:
         trainer.train()
@@ -155,18 +162,7 @@ def test_the_trainers_pauses_are_watched_with_a_long_timeout_and_only_reported_e
     trainer = make_trainer(tmp_path, "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
                            "--validation.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
                            "--comm.train_timeout_seconds", "8", "--observability.hang_exit")
-    slowed = []
-
-    def slow_first_call(name, call):
-        def slow(*args, **kwargs):
-            if name not in slowed:
-                slowed.append(name)
-                time.sleep(3)
-            return call(*args, **kwargs)
-        return slow
-
-    trainer.validator.validate = slow_first_call("validation", trainer.validator.validate)
-    trainer.checkpointer.save = slow_first_call("save", trainer.checkpointer.save)
+    slowed = slow_first_validation_and_save(trainer, 3)
     watchdog = trainer.observer.watchdog
     try:
         trainer.train()
