@@ -2,8 +2,8 @@
 with the clip on match the single process (losses and grad norms within 1e-4, the same heads clipped, the same largest
 logit), and so do DeepSeek-V3's (MLA) and gpt-oss's (grouped heads with biases and sinks) under TP 2; and in a
 longer single-process run whose logits grow past the threshold, the logged largest logit stays within 10% of it
-after the first clip (but for a step where a head the clip had not touched yet jumps past it), while the same run
-without the clip (a threshold no logit reaches, so the logits are measured alike) goes well past it."""
+after the first clip, while the same run without the clip (a threshold no logit reaches, so the logits are measured
+alike) goes well past it."""
 
 import pytest
 
@@ -14,11 +14,12 @@ MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32", "--t
         "--optimizer.lr", "2e-2"]
 TAU = 0.5  # below the logits of the first step: every step clips
 CLIP = ["--optimizer.qk_clip_threshold", str(TAU)]
-# The logit curve: more steps and tokens, a lower lr; the unclipped run's largest logit passes the threshold near
-# step 12, where it grows a few % a step (one step's update on top of the clip), and reaches 1.5x it by step 30.
-CURVE_TAU = 1.5
-CURVE = ["--job.config_file", "train_configs/debug_model_muon.toml", "--training.steps", "30", "--training.seq_len",
-         "256", "--training.local_batch_size", "4", "--optimizer.muon_ns_dtype", "float32", "--optimizer.lr", "1e-2"]
+# The logit curve: more steps and tokens at a lower lr (Muon's update, relative to the clipped weights, is what the
+# logits gain between a step's measurement and the next one's: about 20% a step at lr 1e-2, a few % here; see
+# docs/optimizers.md). The unclipped run's largest logit passes the threshold at step 24 and reaches 1.55x it.
+CURVE_TAU = 1.3
+CURVE = ["--job.config_file", "train_configs/debug_model_muon.toml", "--training.steps", "60", "--training.seq_len",
+         "256", "--training.local_batch_size", "4", "--optimizer.muon_ns_dtype", "float32", "--optimizer.lr", "3e-3"]
 LAYOUTS = {
     "qkclip_single": (1, [*MUON, *CLIP, "--training.local_batch_size", "8"]),
     "qkclip_fsdp2": (2, [*MUON, *CLIP, "--training.local_batch_size", "4"]),
@@ -81,12 +82,8 @@ def test_the_logged_largest_logit_stays_near_the_threshold(debug_runs):
     assert all(r["qk_clip/heads_clipped"] == 0 for r in off_rows)
     assert max(off) > 1.4 * CURVE_TAU  # without the clip the logits go well past the threshold
     first = next(i for i, r in enumerate(on) if r["qk_clip/heads_clipped"] > 0)
-    assert len(on) - first > 15
-    # The clip scales by the step's pre-update logits, so the next batch sees them plus one update (a few %). A
-    # head still under the threshold cannot be clipped ahead of a batch that lifts it far past it: such a step's
-    # maximum is the unclipped run's own (the clip has not touched that head yet). Every other step stays within
-    # 10% of the threshold.
-    for step, (ours, unclipped) in enumerate(zip(on[first + 1:], off[first + 1:]), start=first + 2):
-        logit = ours["qk_clip/max_logit"]
-        assert logit <= 1.1 * CURVE_TAU or logit == pytest.approx(unclipped, rel=1e-2), (step, logit, unclipped)
-    assert sum(r["qk_clip/max_logit"] <= 1.1 * CURVE_TAU for r in on[first + 1:]) >= len(on) - first - 2
+    assert len(on) - first > 30
+    # The logged maximum is each step's before its clip: the previous step's clipped logits plus one update, measured
+    # on a new batch. Every step after the first clip stays within 10% of the threshold.
+    after = [(r["step"], r["qk_clip/max_logit"]) for r in on[first + 1:]]
+    assert all(logit <= 1.1 * CURVE_TAU for _, logit in after), after
