@@ -240,7 +240,7 @@ def _check_model(c: _Checker) -> None:
     c.report("", mup_problems(c.cfg.model, c.cfg.optimizer, c.cfg.checkpoint, args))
     from torchtitan.components.optimizers.qk_clip import config_problems as qk_clip_problems
 
-    c.report("", qk_clip_problems(c.cfg.optimizer, c.cfg.model.name, args, c.cfg.fault_tolerance.enable))
+    c.report("", qk_clip_problems(c.cfg.optimizer, c.cfg.model.name, args))
     if c.cfg.parallelism.pipeline_parallel_degree > 1:
         from torchtitan.distributed.pipeline_parallel import config_problems
 

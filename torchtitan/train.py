@@ -325,6 +325,7 @@ class Trainer:
         self.observer.mark("grad_comm")  # what of the gradient and loss reductions was left exposed
         if self.expert_loads is not None:
             self.expert_loads.collect()
+        self.qk_clip.reduce(self.replicas.max)
         committed = self.replicas.should_commit()  # False: a replica group failed mid-step, which is redone
         if not committed or (self.guard.cfg.enable and self._guard_skips(loss, grad_norm)):
             if self.expert_loads is not None:

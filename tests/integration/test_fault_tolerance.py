@@ -1,7 +1,7 @@
 """Replica groups under torchft on CPU/gloo: two groups of FSDP 2 (4 processes) and a lighthouse.
 
 A group killed mid-run is relaunched and recovers from the survivor, which never stops; without failures the
-groups train what HSDP 2 x 2 trains; DiLoCo with one inner step is plain data parallelism; checkpoints resume.
+groups train what HSDP 2 x 2 trains (QK-clip included); DiLoCo with one inner step is plain data parallelism; checkpoints resume.
 """
 
 import json
@@ -25,13 +25,16 @@ pytestmark = pytest.mark.slow
 
 GROUPS = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.timeout_seconds", "30"]
 HSDP = ["--training.local_batch_size", "2", "--training.steps", "6"]  # global batch 8, as in parity.COMMON's runs
+# QK-clip below the debug model's first logits (about 0.7), so every step clips: the groups must clip on the
+# maximum over both groups' batches, as HSDP does over its ranks, or their weights part.
+QK_CLIP = ["--optimizer.qk_clip_threshold", "0.5"]
 SGD = ["--optimizer.name", "SGD", "--training.max_norm", "0"]
 
 
 def debug_layouts(folder):
     """The ordinary HSDP 2 x 2 runs the replica groups must reproduce (the suite's debug-model matrix)."""
     replicate = ["--parallelism.data_parallel_replicate_degree", "2"]
-    return {"ft_hsdp2x2": (4, [*HSDP, *replicate]), "ft_hsdp2x2_sgd": (4, [*HSDP, *replicate, *SGD])}
+    return {"ft_hsdp2x2": (4, [*HSDP, *replicate, *QK_CLIP]), "ft_hsdp2x2_sgd": (4, [*HSDP, *replicate, *SGD])}
 
 
 @pytest.fixture(autouse=True)
@@ -187,11 +190,17 @@ def run_groups(tmp_path: Path, flags: list[str]) -> list[Path]:
 
 
 def test_two_replica_groups_train_what_hsdp_2x2_trains(tmp_path, debug_runs):
-    """Must-show 2: with no failure, the groups' loss (over both groups' tokens) is HSDP 2 x 2's, fp32, 6 steps."""
-    reference = [row["loss"] for row in rows_of(debug_runs, "ft_hsdp2x2")]
-    assert len(reference) == 6 and reference[-1] < reference[0]
-    for folder in run_groups(tmp_path, HSDP):
-        assert losses(folder) == pytest.approx(reference, abs=1e-5)
+    """Must-show 2: with no failure, the groups' loss (over both groups' tokens) is HSDP 2 x 2's, fp32, 6 steps; with
+    QK-clip on, the same heads are clipped by the same largest logits."""
+    reference = rows_of(debug_runs, "ft_hsdp2x2")
+    assert len(reference) == 6 and reference[-1]["loss"] < reference[0]["loss"]
+    assert all(row["qk_clip/heads_clipped"] > 0 for row in reference)
+    for folder in run_groups(tmp_path, [*HSDP, *QK_CLIP]):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
+        assert [r["qk_clip/heads_clipped"] for r in rows] == [r["qk_clip/heads_clipped"] for r in reference]
+        assert [r["qk_clip/max_logit"] for r in rows] == pytest.approx([r["qk_clip/max_logit"] for r in reference],
+                                                                        rel=1e-5)
 
 
 def test_diloco_with_one_inner_step_is_data_parallel_sgd(tmp_path, debug_runs):

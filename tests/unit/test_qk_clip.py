@@ -213,7 +213,7 @@ def test_threshold_zero_notes_and_changes_nothing():
 
 @pytest.mark.parametrize("tau", [-1.0, float("nan"), float("inf")])
 def test_an_invalid_threshold_is_refused(tau):
-    problems = qk_clip.config_problems(Optimizer(qk_clip_threshold=tau), "llama3", None, False)
+    problems = qk_clip.config_problems(Optimizer(qk_clip_threshold=tau), "llama3", None)
     assert problems and problems[0][0] == "optimizer.qk_clip_threshold" and "must be > 0" in problems[0][1]
 
 

@@ -216,10 +216,18 @@ class ReplicaGroups(Stateful):
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the groups of this step (every-step mode)."""
+        return self._reduce(tensor, dist.ReduceOp.SUM)
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s elementwise maximum over the groups of this step (every-step mode). A group that only
+        watches this step (recovering) sends zeros."""
+        return self._reduce(tensor, dist.ReduceOp.MAX)
+
+    def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         if not self.every_step:
             return tensor
         tensor = tensor.detach().clone()  # also waits for a functional collective's result
-        self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        self.manager.allreduce(tensor, reduce_op=op).wait()
         return tensor
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:

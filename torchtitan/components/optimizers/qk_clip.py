@@ -21,7 +21,10 @@ maxima it noted are its heads' complete maxima and the rows it scales are exactl
 parallelism each rank holds a head and a tail chunk of the sequence: its attention modules' max_logit_fn
 (distributed/context_parallel.py: context_parallel_max_logits) gathers the keys of the whole sequence and measures
 its own query rows at their global positions, so each pair is measured on the rank that holds its query. The maxima
-travel in one max all-reduce over the world, which also carries every other rank's layers, heads and queries.
+travel in one max all-reduce over the world, which also carries every other rank's layers, heads and queries, and
+with fault-tolerant replica groups synchronising every step, one more over the groups (the same rank of each group),
+before they commit the step as they do the gradients, so every group clips alike; DiLoCo's groups, which step apart
+between synchronisations, clip on their own maxima.
 Parameters sharded by FSDP or TP are scaled on the rows each rank holds. Families that normalise q and k per head
 (QK-norm) are refused: the norm undoes any scaling of the projections.
 
@@ -31,6 +34,7 @@ There is no state between steps (the maxima are the step's, then cleared), so ch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +47,7 @@ from torchtitan.models.deepseek_v3.model import MultiHeadLatentAttention
 from torchtitan.models.shared.decoder import Attention
 
 
-def config_problems(optimizer: OptimizerConfig, model_name: str, model_args,
-                    fault_tolerance: bool) -> list[tuple[str, str]]:
+def config_problems(optimizer: OptimizerConfig, model_name: str, model_args) -> list[tuple[str, str]]:
     """Problems with optimizer.qk_clip_threshold for this model and layout, as (field, reason) pairs."""
     tau = optimizer.qk_clip_threshold
     field = "optimizer.qk_clip_threshold"
@@ -56,9 +59,6 @@ def config_problems(optimizer: OptimizerConfig, model_name: str, model_args,
     if model_args.qk_norm:
         problems.append((field, f"cannot clip model.name = {model_name!r}: it normalises q and k per head (its "
                                 "args' qk_norm), which undoes any scaling of their projections; set it to 0"))
-    if fault_tolerance:
-        problems.append((field, "does not combine with fault_tolerance.enable (the replica groups would clip on "
-                                "their own maxima and drift apart); set it to 0"))
     return problems
 
 
@@ -118,6 +118,7 @@ class QKClip:
         self.threshold = threshold
         self.layers: list[tuple[int, nn.Module, int, int]] = []  # (layer id, attention, heads, first local head)
         self.last: dict[str, torch.Tensor] = {}
+        self.maxima: torch.Tensor | None = None  # (layers, heads) once reduced, until the step is clipped or discarded
         if threshold == 0:
             return
         for part in model_parts:
@@ -141,8 +142,9 @@ class QKClip:
         self.shape = tuple(shape.tolist())
         self.device = device
 
-    def after_step(self) -> None:
-        """Clip the heads whose logits of this step exceeded the threshold, then clear the maxima."""
+    def reduce(self, across_groups: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Reduce the step's maxima over every rank and, with ``across_groups`` (fault tolerance's elementwise max
+        over the replica groups), over the groups: before they commit the step, as for the gradients."""
         if self.threshold == 0:
             return
         maxima = torch.full(self.shape, float("-inf"), device=self.device)
@@ -150,6 +152,15 @@ class QKClip:
             maxima[layer, first:first + attention.logit_max.numel()] = attention.logit_max
         if dist.is_initialized():
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        self.maxima = maxima if across_groups is None else across_groups(maxima)
+
+    def after_step(self) -> None:
+        """Clip the heads whose logits of this step exceeded the threshold, then clear the maxima."""
+        if self.threshold == 0:
+            return
+        if self.maxima is None:
+            self.reduce()
+        maxima = self.maxima
         over = maxima > self.threshold
         gamma = torch.where(over, self.threshold / maxima, torch.ones_like(maxima))
         for layer, attention, heads, _ in self.layers:
@@ -159,6 +170,7 @@ class QKClip:
 
     def discard_step(self) -> None:
         """Forget the maxima noted so far (a skipped step's)."""
+        self.maxima = None
         for _, attention, _, _ in self.layers:
             attention.logit_max.fill_(float("-inf"))
 
