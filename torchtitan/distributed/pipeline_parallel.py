@@ -234,21 +234,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage whose shape inference leaves the MoE loads alone.
+    """A PipelineStage whose shape inference leaves the step's records alone: the MoE loads and QK-clip's
+    per-head largest logits.
 
     Before the first step (and after a switch between evaluation and training) torch runs each stage once on
-    placeholder inputs to learn the shapes it sends; those tokens are not training data, so whatever the
-    stage's MoE layers counted then is forgotten.
+    placeholder inputs to learn the shapes it sends, with gradients on when a backward follows; those inputs are
+    not training data (a later stage's are uninitialised memory, whose logits can be anything, NaN included), so
+    whatever the stage's MoE layers counted and its attention layers noted then is forgotten.
     """
 
     def _prepare_forward_infra(self, *args, **kwargs):
         moes = [m for m in self.submod.modules() if isinstance(m, MoE)]
         stats = [m.pending_stats() for m in moes]
+        # The attention modules' logit_max (a tensor while QK-clip measures, else None).
+        noted = [(m.logit_max, m.logit_max.clone()) for m in self.submod.modules()
+                 if isinstance(getattr(m, "logit_max", None), torch.Tensor)]
         try:
             return super()._prepare_forward_infra(*args, **kwargs)
         finally:
             for moe, kept in zip(moes, stats):
                 moe.restore_stats(kept)
+            for maxima, kept in noted:
+                maxima.copy_(kept)
 
 
 @dataclass
