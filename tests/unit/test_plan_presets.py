@@ -39,7 +39,7 @@ def test_cluster_presets_are_planned_on_their_clusters():
 def test_every_preset_gets_a_plan(preset, capsys, monkeypatch):
     # The CPU measurements (matmul peak, the model's blocks timed) take minutes on a fresh machine; the
     # plan around them is what is checked here (test_planner.py checks the calibration itself).
-    monkeypatch.setattr(planner, "cpu_machine_peak_tflops", lambda dtype: 1.0)
+    monkeypatch.setattr(planner.speed, "cpu_machine_peak_tflops", lambda dtype: 1.0)
     monkeypatch.setattr(planner, "measure_cpu_timing", lambda cfg, vocab_size: planner.CpuTiming(0.1, 0.1, 0.01, 0.01))
     device, world_size = intended_run(preset)
     code, out, err = run_plan(capsys, "--config", str(preset.relative_to(REPO)), "--device", device,

@@ -6,6 +6,7 @@ import torch
 from scripts import plan as plan_script
 from torchtitan import planner
 from torchtitan.config import load_config
+from torchtitan.distributed.precision import uses_autocast
 from torchtitan.inference import build_model
 from torchtitan.planner import (
     GIB,
@@ -18,7 +19,6 @@ from torchtitan.planner import (
     plan,
     predict_memory,
     resolve_layout,
-    uses_autocast,
 )
 
 
@@ -202,7 +202,7 @@ def test_plan_script_does_not_time_a_run_that_cannot_fit_the_cpu(capsys, monkeyp
     # 405B cannot fit; the 8B's blocks are over the 200M-parameter limit even when the memory is assumed to fit.
     code, out, _ = run_plan(capsys, "--config", "train_configs/llama3_405b.toml", "--device", "CPU")
     assert code == 3 and "step time: -" in out and "not measured: the run does not fit" in out
-    monkeypatch.setattr(planner, "cpu_memory_gib", lambda: 1e6)
+    monkeypatch.setattr(planner.speed, "cpu_memory_gib", lambda: 1e6)
     code, out, _ = run_plan(capsys, "--config", "train_configs/llama3_8b.toml", "--device", "CPU")
     assert code == 0 and "not measured: one block has 218M parameters" in out
 

@@ -52,7 +52,7 @@ def build_optimizer(model_parts: list[nn.Module], cfg: OptimizerConfig) -> torch
 def state_bytes(cfg: OptimizerConfig, param_dtype: str, local_elements: float, muon: bool) -> float:
     """Bytes of optimizer state the built optimizer keeps for a parameter tensor of ``local_elements`` on the rank
     (``muon``: Muon updates it): AdamW's two moments in state_dtype (float32: the parameters' dtype), 8-bit ones
-    where torchao quantises them, or Muon's one momentum buffer. The planner's figures (planner.py)."""
+    where torchao quantises them, or Muon's one momentum buffer. The planner's figures (planner/memory.py)."""
     itemsize = DTYPES[param_dtype if cfg.state_dtype == "float32" else cfg.state_dtype].itemsize
     if cfg.name == "Muon" and muon:
         return local_elements * itemsize
