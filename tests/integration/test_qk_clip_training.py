@@ -16,9 +16,9 @@ TAU = 0.5  # below the logits of the first step: every step clips
 CLIP = ["--optimizer.qk_clip_threshold", str(TAU)]
 # The logit curve: more steps and tokens at a lower lr (Muon's update, relative to the clipped weights, is what the
 # logits gain between a step's measurement and the next one's: about 20% a step at lr 1e-2, a few % here; see
-# docs/optimizers.md). The unclipped run's largest logit passes the threshold at step 24 and reaches 1.55x it.
-CURVE_TAU = 1.3
-CURVE = ["--job.config_file", "train_configs/debug_model_muon.toml", "--training.steps", "60", "--training.seq_len",
+# docs/optimizers.md). The unclipped run's largest logit passes the threshold at step 25 and reaches 1.46x it.
+CURVE_TAU = 1.25
+CURVE = ["--job.config_file", "train_configs/debug_model_muon.toml", "--training.steps", "45", "--training.seq_len",
          "256", "--training.local_batch_size", "4", "--optimizer.muon_ns_dtype", "float32", "--optimizer.lr", "3e-3"]
 LAYOUTS = {
     "qkclip_single": (1, [*MUON, *CLIP, "--training.local_batch_size", "8"]),
@@ -84,7 +84,7 @@ def test_the_logged_largest_logit_stays_near_the_threshold(debug_runs):
     assert all(r["qk_clip/heads_clipped"] == 0 for r in off_rows)
     assert max(off) > 1.4 * CURVE_TAU  # without the clip the logits go well past the threshold
     first = next(i for i, r in enumerate(on) if r["qk_clip/heads_clipped"] > 0)
-    assert len(on) - first > 30
+    assert len(on) - first > 15
     # The logged maximum is each step's before its clip: the previous step's clipped logits plus one update, measured
     # on a new batch. Every step after the first clip stays within 10% of the threshold.
     after = [(r["step"], r["qk_clip/max_logit"]) for r in on[first + 1:]]
