@@ -48,7 +48,7 @@ from torchtitan.models.shared.decoder import Attention
 
 
 def config_problems(optimizer: OptimizerConfig, model_name: str, model_args) -> list[tuple[str, str]]:
-    """Problems with optimizer.qk_clip_threshold for this model and layout, as (field, reason) pairs."""
+    """Problems with optimizer.qk_clip_threshold for this model, as (field, reason) pairs."""
     tau = optimizer.qk_clip_threshold
     field = "optimizer.qk_clip_threshold"
     if not (math.isfinite(tau) and tau >= 0):
