@@ -1,5 +1,6 @@
-"""scripts/report.py on three real runs (the debug model with validation, the MoE debug model, a GRPO run), each page rendered by headless Chromium: every picture decodes, the page's own check reports no
-error, the console stays silent, and every plot's embedded data is metrics.jsonl's values; the PNGs are PNGs.
+"""scripts/report.py on three real runs (the debug model with validation, the MoE debug model, a GRPO run), each
+page rendered by headless Chromium: every picture decodes, the page's own check reports no error, the console stays
+silent, and every plot's embedded data is metrics.jsonl's values; the PNGs are PNGs.
 
 Debian's `chromium` package is the browser (.ci/run installs it); where none is found the tests skip, saying so.
 """
